@@ -178,7 +178,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return float(value)
     if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
-    if isinstance(tp, type) and not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+    if (
+        isinstance(tp, type)
+        and not isinstance(value, tp)
+        or (tp is int and isinstance(value, bool))
+    ):
         raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
     return value
 

@@ -123,9 +123,7 @@ def _build_smollm2(out: Path) -> None:
     model.config.name_or_path = EMBEDDED
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    print(
-        f"[loongsage] {EMBEDDED} ready in {time.monotonic() - start:.0f} s", file=sys.stderr
-    )
+    print(f"[loongsage] {EMBEDDED} ready in {time.monotonic() - start:.0f} s", file=sys.stderr)
 
 
 def _build_tiny(out: Path) -> None:

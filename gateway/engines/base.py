@@ -59,12 +59,18 @@ class SamplingParams:
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     @classmethod
@@ -130,13 +136,24 @@ class Engine(Protocol):
         ...
 
     def stream(
-        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Generate from `input_ids`; raises ValueError for bad input before any chunk."""
+        """Generate from `input_ids`; raises ValueError for bad input before any chunk.
+
+        `session_id` keeps a session on one engine behind a router (warm prefix cache); a single
+        engine ignores it."""
         ...
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> Generation: ...
 
     async def abort(self, request_id: str) -> None:
