@@ -1,0 +1,162 @@
+"""The RL math: group-normalized advantages and the one policy loss every train backend uses.
+
+Three log-probabilities meet in the loss (decoupled PPO, as in AReaL):
+
+- behaviour `b`: what the engine reported when it sampled the token (Segment.logprobs);
+- proximal `p`: the trainer's log-prob at the start of the train step (no-grad forward);
+- current `c`: the trainer's log-prob now, with grad.
+
+PPO clips the ratio exp(c - p) to [1 - eps_low, 1 + eps_high]; the engine/trainer mismatch
+exp(p - b) (different kernels, precision, stale weights) is corrected by importance sampling:
+`tis` truncates it at C, `mis` masks tokens whose ratio is outside [1/C, C], `none` ignores it.
+Optional terms: k3 KL to a reference model and an entropy bonus.
+
+Backends call `policy_loss` once per micro-batch with the normalizers of the whole minibatch,
+so summing the micro-batch losses gives the minibatch loss; `reduce_metrics` merges the
+micro-batch metrics (token-weighted means, max of maxes, min of mins).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import AlgorithmConfig
+
+
+def group_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+    """Advantages for rewards of shape [groups, samples]: r - group mean (`drgrpo`), divided by
+    the group's (unbiased) std + eps for `grpo`. A zero-variance group gets all zeros."""
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(
+            f"rewards must have shape [groups, samples>=2], got {tuple(rewards.shape)}"
+        )
+    rewards = rewards.to(torch.float32)
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if kind == "drgrpo":
+        return centered
+    if kind == "grpo":
+        return centered / (rewards.std(dim=1, keepdim=True) + eps)
+    raise ValueError(f"algorithm.advantage: unknown kind {kind!r}; use grpo or drgrpo")
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(q || p) from log(p/q) on samples of q: e^x - x - 1 >= 0."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate (this micro-batch's share of the minibatch loss)."""
+    metrics: dict[str, float]
+    num_tokens: int
+    """Loss tokens in this micro-batch (weights the metric means in reduce_metrics)."""
+
+
+def policy_loss(
+    cfg: AlgorithmConfig,
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> LossOutput:
+    """PPO-clipped policy gradient with decoupled behaviour/proximal log-probs.
+
+    All tensors are [sequences, tokens] (padded; `mask` is 1 on tokens to train). `advantages`
+    is per token (a sequence's advantage broadcast over its tokens). `num_tokens`/`num_seqs`
+    are the minibatch totals the loss is normalized by (default: this call's own), so that
+    micro-batch losses add up. A token masked by MIS contributes 0 but stays in the normalizer.
+    """
+    mask = mask.to(logprobs.dtype)
+    n_tok = int(mask.sum().item())
+    proximal = proximal_logprobs.detach()
+    behaviour = behaviour_logprobs.detach()
+
+    # PPO clip on current / proximal.
+    ratio = torch.exp(logprobs - proximal)
+    clipped = ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
+    pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+
+    # Importance weight of the proximal policy against the behaviour (engine) policy.
+    is_log_ratio = (proximal - behaviour) * mask
+    is_ratio = torch.exp(is_log_ratio)
+    c = cfg.is_threshold
+    outside = ((is_ratio > c) | (is_ratio < 1 / c)) & (mask > 0)
+    if cfg.importance_sampling == "tis":
+        weight = is_ratio.clamp(max=c)
+        corrected = (is_ratio > c) & (mask > 0)
+    elif cfg.importance_sampling == "mis":
+        weight = is_ratio * (~outside)
+        corrected = outside
+    else:
+        weight = torch.ones_like(is_ratio)
+        corrected = outside  # reported only: the fraction MIS would have masked
+    per_token = weight * pg
+
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("algorithm.kl_coef > 0 needs ref_logprobs (a reference model)")
+        per_token = per_token + cfg.kl_coef * k3(ref_logprobs.detach() - logprobs)
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("algorithm.entropy_coef > 0 needs the per-token entropy")
+        per_token = per_token - cfg.entropy_coef * entropy
+
+    if cfg.aggregation == "token_mean":
+        denom = num_tokens if num_tokens is not None else max(n_tok, 1)
+        loss = (per_token * mask).sum() / denom
+    else:
+        seq_tokens = mask.sum(dim=1).clamp(min=1)
+        denom = num_seqs if num_seqs is not None else max(int((mask.sum(1) > 0).sum()), 1)
+        loss = ((per_token * mask).sum(dim=1) / seq_tokens).sum() / denom
+
+    m = mask > 0
+    with torch.no_grad():
+        if n_tok:
+            ppo_clipped = (-advantages * clipped > -advantages * ratio) & m
+            metrics = {
+                "mismatch/logprob_abs_diff": is_log_ratio.abs()[m].mean().item(),
+                "mismatch/k3_kl": k3(is_log_ratio)[m].mean().item(),
+                "mismatch/ratio_max": is_ratio[m].max().item(),
+                "mismatch/ratio_min": is_ratio[m].min().item(),
+                "mismatch/clip_frac": corrected.float()[m].mean().item(),
+                "train/ppo_clip_frac": ppo_clipped.float()[m].mean().item(),
+                "train/ratio_mean": ratio.detach()[m].mean().item(),
+            }
+            if ref_logprobs is not None:
+                metrics["train/ref_kl"] = (
+                    k3(ref_logprobs.detach() - logprobs.detach())[m].mean().item()
+                )
+            if entropy is not None:
+                metrics["train/entropy"] = entropy.detach()[m].mean().item()
+        else:
+            metrics = {}
+    return LossOutput(loss=loss, metrics=metrics, num_tokens=n_tok)
+
+
+def reduce_metrics(outputs: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Merge per-micro-batch (metrics, num_tokens): keys ending in `_max`/`_min` take the
+    max/min, the others are token-weighted means."""
+    merged: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    for metrics, n in outputs:
+        for key, value in metrics.items():
+            if key.endswith("_max"):
+                merged[key] = max(merged.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                merged[key] = min(merged.get(key, math.inf), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value * n
+                weights[key] = weights.get(key, 0) + n
+    for key, w in weights.items():
+        merged[key] = merged[key] / w if w else 0.0
+    return merged

@@ -1,0 +1,205 @@
+"""The trainer's configuration: one dataclass per component, read from a recipe and overrides.
+
+`python -m trainer.run recipe=quickstart rollout.max_staleness=2` builds a `TrainerConfig` with
+`gateway.config.parse_cli`: defaults here, then `recipes/quickstart.yaml` (or any YAML path), then
+`key.sub=value` overrides. A field's docstring is its only help text (`--help` prints them all);
+unknown keys are an error that names the closest valid key. Cross-field checks live in
+`__post_init__` and raise ValueError naming the field, which the loader reports as a ConfigError.
+
+Units, decided once: `rollout.batch_size` counts *prompts* (GRPO groups) per train step, so a step
+trains on `batch_size * num_samples_per_prompt` trajectories (fewer when samples abort). The
+staleness gate counts groups in the same unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from gateway.config import parse_cli
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2"
+    """Model to train: `smollm2` (embedded SmolLM2-135M-Instruct), `tiny` (random test model) or
+    the path of a Hugging Face model folder."""
+
+
+@dataclass
+class RolloutConfig:
+    env: str = "loongsage/Calc-v0"
+    """Registered Gymnasium env id the agent plays (white-box rollouts)."""
+    num_samples_per_prompt: int = 8
+    """Samples per prompt: one GRPO group; advantages are normalized within it."""
+    batch_size: int = 4
+    """Prompts (groups) per train step; a step sees batch_size * num_samples_per_prompt samples."""
+    max_staleness: int = 0
+    """How many weight versions a trajectory may lag the policy it trains; 0 = synchronous RL."""
+    partial_rollout: Literal["continue", "abort_resubmit"] = "continue"
+    """On a weight update, in-flight requests `continue` on the new weights (per-token versions)
+    or are `abort_resubmit`-ted: retracted and re-run as prefix + partial output."""
+    filter_zero_variance: bool = True
+    """Drop groups whose samples all got the same reward (zero advantage, no signal)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scales its logits by the same value."""
+    max_tokens: int = 256
+    """Maximum tokens per model call."""
+    max_turns: int = 4
+    """Maximum model calls (turns) per episode."""
+
+    def __post_init__(self) -> None:
+        if self.num_samples_per_prompt < 2:
+            raise ValueError(
+                "num_samples_per_prompt must be >= 2 (group-normalized advantages need a group), "
+                f"got {self.num_samples_per_prompt}"
+            )
+        _positive("batch_size", self.batch_size)
+        _non_negative("max_staleness", self.max_staleness)
+        _positive("temperature", self.temperature)
+        _positive("max_tokens", self.max_tokens)
+        _positive("max_turns", self.max_turns)
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    """`grpo`: (r - group mean) / group std; `drgrpo`: r - group mean (Dr. GRPO, no std)."""
+    clip_eps_low: float = 0.2
+    """PPO clip: the ratio current/proximal is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO clip: the ratio current/proximal is clipped above at 1 + clip_eps_high."""
+    importance_sampling: Literal["none", "tis", "mis"] = "tis"
+    """Correction for the engine/trainer mismatch, ratio = proximal/behaviour: `tis` truncates it
+    at is_threshold, `mis` masks tokens whose ratio is outside [1/is_threshold, is_threshold]."""
+    is_threshold: float = 2.0
+    """C for TIS/MIS (> 1)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the initial (reference) model; 0 loads no reference model."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    """`token_mean`: mean over all loss tokens of the batch; `seq_mean`: mean over sequences of
+    each sequence's token mean."""
+    num_minibatches: int = 1
+    """Optimizer steps per train step (the batch is split); proximal log-probs are taken once at
+    the start of the step, so PPO clipping bites from the second minibatch on."""
+
+    def __post_init__(self) -> None:
+        _non_negative("clip_eps_low", self.clip_eps_low)
+        _non_negative("clip_eps_high", self.clip_eps_high)
+        if self.clip_eps_low >= 1:
+            raise ValueError(f"clip_eps_low must be < 1, got {self.clip_eps_low}")
+        if self.is_threshold <= 1:
+            raise ValueError(f"is_threshold must be > 1, got {self.is_threshold}")
+        _non_negative("kl_coef", self.kl_coef)
+        _non_negative("entropy_coef", self.entropy_coef)
+        _positive("num_minibatches", self.num_minibatches)
+
+
+@dataclass
+class TrainBackendConfig:
+    kind: Literal["torch", "megatron"] = "torch"
+    """Train backend: `torch` (CPU or one GPU) or `megatron` (needs the megatron extra and GPUs)."""
+    device: str = "auto"
+    """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`."""
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup, over run.steps train steps (linear and cosine decay to 0)."""
+    warmup_steps: int = 0
+    """Train steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one forward/backward (padded tokens count); bounds activation memory."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """`bf16` runs forward/backward under bf16 autocast with fp32 master weights and optimizer."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _non_negative("warmup_steps", self.warmup_steps)
+        _non_negative("weight_decay", self.weight_decay)
+        _non_negative("grad_clip", self.grad_clip)
+        _positive("micro_batch_tokens", self.micro_batch_tokens)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5
+    """Evaluate every N train steps (also at step 0 and at the end); 0 = only start and end."""
+    n: int = 64
+    """Held-out prompts per evaluation."""
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0 = greedy)."""
+
+    def __post_init__(self) -> None:
+        _non_negative("every", self.every)
+        _non_negative("n", self.n)
+        _non_negative("temperature", self.temperature)
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""
+    """Run directory; empty = runs/<date>-<time>."""
+    seed: int = 0
+    """Seeds the prompt order, sampling seeds and the trainer's RNG."""
+    steps: int = 20
+    """Train steps (weight versions) to run."""
+    checkpoint_every: int = 10
+    """Save a resumable checkpoint every N steps (and at the end); 0 = only at the end."""
+    resume: str = ""
+    """Resume from a checkpoint folder, or `auto` (the latest one in the run directory, if any)."""
+    samples_per_step: int = 2
+    """Readable trajectories written to samples.jsonl per step."""
+
+    def __post_init__(self) -> None:
+        _positive("steps", self.steps)
+        _non_negative("checkpoint_every", self.checkpoint_every)
+        _non_negative("samples_per_step", self.samples_per_step)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run dir>/tensorboard (needs `tensorboard`)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `wandb` and a login or WANDB_MODE=offline)."""
+    wandb_project: str = "loongsage"
+    """W&B project name."""
+    progress: bool = True
+    """Show a progress bar with reward and ETA."""
+
+
+@dataclass
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainBackendConfig = field(default_factory=TrainBackendConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def load(argv: list[str]) -> TrainerConfig:
+    """`[recipe=NAME|PATH] key.sub=value ...` -> TrainerConfig; NAME finds recipes/NAME.yaml."""
+    return parse_cli(TrainerConfig, argv, RECIPE_DIR)
