@@ -1,0 +1,615 @@
+"""`sglang` engine: an HTTP client of a real SGLang server, speaking token ids only.
+
+SGLang's own request classes (`sglang.srt.managers.io_struct`) do not import without a GPU, so
+the wire format is restated here as pydantic models, field by field, from SGLang's source
+(`io_struct.py`, `sampling/sampling_params.py`, `entrypoints/http_server.py`,
+`managers/tokenizer_manager.py`). Facts this client relies on:
+
+- `POST /generate` takes `input_ids`, `sampling_params`, `return_logprob`, `logprob_start_len`,
+  `stream` and `rid`. `sampling_params` is strict: an unknown key is rejected, so it is
+  `max_new_tokens` (not `max_tokens`) and `sampling_seed` (not `seed`); `top_k=-1` disables top-k
+  and `0` is invalid; `temperature=0` is greedy.
+- The answer is `{text, output_ids, meta_info}`; `meta_info` has `id`, `finish_reason`
+  (`{"type": "stop", "matched": ID-or-string}`, `{"type": "length", "length": N}` or
+  `{"type": "abort", "message": ...}`), `prompt_tokens`, `completion_tokens`,
+  `weight_version` (a string; `"default"` until the first versioned update) and, with
+  `return_logprob`, `output_token_logprobs = [[logprob, token_id, text-or-null], ...]`.
+  The EOS id is in `output_ids` but not in `text`; we never use `text`.
+- Streaming is SSE (`data: {...}` events, then `data: [DONE]`). Events are cumulative (the whole
+  output so far) unless the server runs with `--incremental-streaming-output` (deltas). Both are
+  handled the same way: `completion_tokens` is the running total, so the new tokens of an event
+  are the last `completion_tokens - seen` entries of `output_token_logprobs`. This also covers
+  SGLang's abort event, which carries only the last output id.
+- Bad input is HTTP 400 with `{"error": {"message": ...}}` (or, on a stream, an `error` event).
+
+`update_weights` of the Engine protocol goes over disk (safetensors in a folder the server can
+read, then `/update_weights_from_disk` with `weight_version`), the one route that works over
+plain HTTP. The other weight routes (`/update_weights_from_tensor`, `/init_weights_update_group`,
+`/update_weights_from_distributed`, memory release/resume) are methods here for TransferMesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
+
+import httpx
+import orjson
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gateway.engines.base import (
+    Chunk,
+    EngineError,
+    FinishReason,
+    Generation,
+    PauseMode,
+    SamplingParams,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Wire models (SGLang's field names and meanings)
+
+
+class SGLangSamplingParams(BaseModel):
+    """The subset of SGLang's `SamplingParams` we send; `extra="forbid"` mirrors its strictness."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SGLangSamplingParams:
+        return cls(
+            max_new_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            # Ours: 0 or -1 disables. SGLang: -1 disables, 0 is a 400.
+            top_k=params.top_k if params.top_k > 0 else -1,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            ignore_eos=params.ignore_eos,
+            sampling_seed=params.seed,
+        )
+
+
+class GenerateRequest(BaseModel):
+    """Body of `POST /generate` (SGLang's `GenerateReqInput`, single request, token ids)."""
+
+    input_ids: list[int]
+    sampling_params: SGLangSamplingParams
+    rid: str | None = None
+    return_logprob: bool = True
+    logprob_start_len: int = -1
+    stream: bool = False
+
+
+class FinishReasonInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    matched: int | str | list[int] | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+
+class MetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    finish_reason: FinishReasonInfo | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    weight_version: str | int | None = None
+    output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    message: str = ""
+
+
+class GenerateResponse(BaseModel):
+    """One `/generate` answer or one stream event."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | None = None
+    output_ids: list[int] | None = None
+    meta_info: MetaInfo | None = None
+    error: ErrorBody | None = None
+
+
+class WeightUpdateResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    success: bool
+    message: str = ""
+
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def parse_version(value: str | int | None) -> int:
+    """SGLang's `weight_version` string -> our int; `"default"` (never updated) is version 0."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise EngineError(
+            f"SGLang reports weight_version {value!r}, which is not an integer; start the server "
+            "with --weight-version 0 or update its weights through LoongSage"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class SGLangEngine:
+    """One SGLang server behind the Engine protocol. Call `await connect()` before use (it reads
+    the context length and weight version); `Router` does this for its engines."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 600,
+        health_timeout_s: float = 30,
+        max_connections: int = 1024,
+        max_context: int | None = None,
+        weights_dir: str | None = None,
+    ) -> None:
+        """`weights_dir`: a folder the *server* can read, for `update_weights` over disk
+        (default: the system temp folder, right when client and server share a host)."""
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.weights_dir = weights_dir
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+        )
+        self._max_context = max_context
+        self._weight_version = 0
+        self._inflight: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"SGLangEngine({self.url!r})"
+
+    # -- protocol properties -------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def max_context(self) -> int:
+        if self._max_context is None:
+            raise EngineError(f"{self!r}: call `await engine.connect()` first")
+        return self._max_context
+
+    @property
+    def load(self) -> int:
+        return len(self._inflight)
+
+    async def connect(self) -> SGLangEngine:
+        """Read the server's context length (`/v1/models`) and weight version
+        (`/get_model_info`); raises EngineError if the server is not up."""
+        info = await self.get_model_info()
+        self._weight_version = parse_version(info.get("weight_version"))
+        if self._max_context is None:
+            models = await self._request("GET", "/v1/models")
+            data = models.get("data") or [{}]
+            self._max_context = int(data[0].get("max_model_len") or 0) or None
+            if self._max_context is None:
+                raise EngineError(f"{self!r}: /v1/models did not report max_model_len")
+        return self
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[Chunk]:
+        body = self._generate_body(input_ids, params, request_id, stream=True)
+        rid = body["rid"]
+        self._inflight.add(rid)
+        seen = 0
+        try:
+            async with self._client.stream(
+                "POST", "/generate", content=orjson.dumps(body), headers=_JSON
+            ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    self._raise_for_status(response, "/generate")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = _parse_event(data)
+                    chunk = self._chunk(event, seen, started=seen > 0)
+                    if chunk is None:
+                        continue
+                    seen += len(chunk.token_ids)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+            raise EngineError(f"{self!r}: stream for {rid} ended without a finish_reason")
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self!r}: /generate failed: {exc!r}") from exc
+        finally:
+            self._inflight.discard(rid)
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> Generation:
+        body = self._generate_body(input_ids, params, request_id, stream=False)
+        self._inflight.add(body["rid"])
+        try:
+            raw = await self._post_raw("/generate", body)
+        finally:
+            self._inflight.discard(body["rid"])
+        chunk = self._chunk(_parse_event(raw), 0, started=False)
+        if chunk is None or chunk.finish_reason is None:
+            raise EngineError(f"{self!r}: /generate answered without a finish_reason")
+        out = Generation()
+        out.add(chunk)
+        return out
+
+    async def abort(self, request_id: str) -> None:
+        await self._request("POST", "/abort_request", {"rid": request_id})
+
+    async def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
+        if len(sequences) != len(start):
+            raise ValueError(
+                f"score: got {len(sequences)} sequences but {len(start)} start positions"
+            )
+        return list(await asyncio.gather(*map(self._score_one, sequences, start)))
+
+    async def _score_one(self, ids: list[int], start: int) -> list[float]:
+        if not 1 <= start <= len(ids):
+            raise ValueError(
+                f"score: start must be in [1, len(sequence)={len(ids)}] (token 0 has no "
+                f"context to be scored on), got {start}"
+            )
+        if start == len(ids):
+            return []
+        # Prefill only: max_new_tokens=0. `input_token_logprobs` then holds one entry per
+        # position from `logprob_start_len` on ([logprob, token_id, text], logprob null at
+        # position 0); we ask one position early and align from the end, so the answer does
+        # not hinge on how the first entry is counted, and check every token id.
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+            "rid": uuid.uuid4().hex,
+        }
+        meta = _parse_event(await self._post_raw("/generate", body)).meta_info
+        entries = (meta.input_token_logprobs if meta else None) or []
+        want = len(ids) - start
+        tail = entries[-want:] if len(entries) >= want else None
+        if tail is None or [e[1] for e in tail] != ids[start:] or any(e[0] is None for e in tail):
+            raise EngineError(
+                f"{self!r}: input_token_logprobs does not line up with the scored sequence "
+                f"({len(entries)} entries for {want} positions)"
+            )
+        return [float(e[0]) for e in tail]
+
+    # -- control -------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "in_place") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def health(self) -> bool:
+        try:
+            response = await self._client.get("/health", timeout=self.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def flush_cache(self) -> None:
+        """Drop the radix (prefix) cache; SGLang refuses (400) while requests run."""
+        await self._request("POST", "/flush_cache")
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info")
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    # -- weights -------------------------------------------------------------------------------
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write `state` (HF parameter names) as safetensors under `weights_dir`, then have the
+        server load it with `/update_weights_from_disk`. Needs a folder both can see."""
+        from safetensors.torch import save_file
+
+        root = self.weights_dir or tempfile.gettempdir()
+        folder = tempfile.mkdtemp(prefix=f"loongsage-v{version}-", dir=root)
+        try:
+            tensors: dict[str, torch.Tensor] = {}
+            seen_storage: set[int] = set()
+            for name, tensor in state.items():
+                t = tensor.detach().to("cpu").contiguous()
+                # safetensors refuses tensors that share memory (tied embeddings): copy those.
+                ptr = t.untyped_storage().data_ptr()
+                tensors[name] = t.clone() if ptr in seen_storage else t
+                seen_storage.add(ptr)
+            path = os.path.join(folder, "model.safetensors")
+            await asyncio.to_thread(save_file, tensors, path)
+            await self.update_weights_from_disk(folder, version)
+        finally:
+            await asyncio.to_thread(_rmtree, folder)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        version: int,
+        *,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> None:
+        await self._weight_update(
+            "/update_weights_from_disk",
+            {
+                "model_path": model_path,
+                "load_format": load_format,
+                "abort_all_requests": abort_all_requests,
+                "flush_cache": flush_cache,
+                "weight_version": str(version),
+            },
+            version,
+        )
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        version: int,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """`serialized_named_tensors`: base64 of SGLang's `MultiprocessingSerializer` output,
+        one per TP rank (CUDA IPC handles: same node only)."""
+        await self._weight_update(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests,
+                "weight_version": str(version),
+            },
+            version,
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Join an NCCL group whose rank 0 is the trainer (for `update_weights_from_distributed`)."""
+        await self._weight_update(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+            None,
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int,
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Receive one bucket of tensors broadcast by the trainer over the group."""
+        await self._weight_update(
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests,
+                "weight_version": str(version),
+            },
+            version,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._weight_update("/destroy_weights_update_group", {"group_name": group_name}, None)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free GPU memory (`weights`, `kv_cache`, or all) while the trainer needs it."""
+        await self._request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _generate_body(
+        self, input_ids: list[int], params: SamplingParams, request_id: str | None, stream: bool
+    ) -> dict[str, Any]:
+        if not input_ids:
+            raise ValueError("input_ids must not be empty")
+        if self._max_context is not None and len(input_ids) >= self._max_context:
+            raise ValueError(
+                f"prompt has {len(input_ids)} tokens; the engine's context is "
+                f"{self._max_context} tokens"
+            )
+        request = GenerateRequest(
+            input_ids=input_ids,
+            sampling_params=SGLangSamplingParams.from_params(params),
+            rid=request_id or uuid.uuid4().hex,
+            stream=stream,
+        )
+        return request.model_dump(exclude_none=True)
+
+    def _chunk(self, event: GenerateResponse, seen: int, started: bool) -> Chunk | None:
+        """New tokens of one answer/event, given `seen` tokens already delivered."""
+        if event.error is not None:
+            message = event.error.message or "SGLang reported an error"
+            if started:
+                raise EngineError(f"{self!r}: {message}")
+            raise ValueError(message)
+        meta = event.meta_info
+        if meta is None:
+            raise EngineError(f"{self!r}: /generate answer without meta_info")
+        if meta.weight_version is not None:
+            self._weight_version = parse_version(meta.weight_version)
+        finish = meta.finish_reason
+        if (
+            finish is not None
+            and finish.type == "abort"
+            and finish.status_code == 400
+            and not started
+        ):
+            raise ValueError(finish.message or "SGLang rejected the request")
+        entries = meta.output_token_logprobs or []
+        total = meta.completion_tokens if meta.completion_tokens is not None else len(entries)
+        new = max(total - seen, 0)
+        if new > len(entries):
+            raise EngineError(
+                f"{self!r}: {new} new tokens but only {len(entries)} output_token_logprobs"
+            )
+        fresh = entries[len(entries) - new :] if new else []
+        if not fresh and finish is None:
+            return None
+        return Chunk(
+            token_ids=[e[1] for e in fresh],
+            logprobs=[float(e[0]) if e[0] is not None else 0.0 for e in fresh],
+            versions=[self._weight_version] * len(fresh),
+            finish_reason=_FINISH.get(finish.type, "abort") if finish is not None else None,
+        )
+
+    async def _weight_update(self, path: str, body: dict[str, Any], version: int | None) -> None:
+        raw = await self._post_raw(path, body, allow_400=True)
+        try:
+            result = WeightUpdateResponse.model_validate_json(raw)
+        except ValidationError as exc:
+            raise EngineError(f"{self!r}: {path} answered {raw[:200]!r}") from exc
+        if not result.success:
+            raise EngineError(f"{self!r}: {path} failed: {result.message}")
+        if version is not None:
+            self._weight_version = version
+
+    async def _post_raw(self, path: str, body: dict[str, Any], allow_400: bool = False) -> bytes:
+        try:
+            response = await self._client.post(path, content=orjson.dumps(body), headers=_JSON)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self!r}: {path} failed: {exc!r}") from exc
+        if response.status_code != 200 and not (allow_400 and response.status_code == 400):
+            self._raise_for_status(response, path)
+        return response.content
+
+    async def _request(
+        self, method: Literal["GET", "POST"], path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        try:
+            response = await self._client.request(
+                method,
+                path,
+                content=orjson.dumps(body) if body is not None else None,
+                headers=_JSON if body is not None else None,
+            )
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self!r}: {path} failed: {exc!r}") from exc
+        if response.status_code != 200:
+            self._raise_for_status(response, path)
+        try:
+            data = response.json()
+        except ValueError:
+            return {}  # several control routes answer with plain text or nothing
+        return data if isinstance(data, dict) else {"data": data}
+
+    def _raise_for_status(self, response: httpx.Response, path: str) -> None:
+        message = _error_message(response)
+        if response.status_code == 400:
+            raise ValueError(f"SGLang rejected {path}: {message}")
+        raise EngineError(f"{self!r}: {path} returned HTTP {response.status_code}: {message}")
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _parse_event(data: str | bytes) -> GenerateResponse:
+    try:
+        return GenerateResponse.model_validate_json(data)
+    except ValidationError as exc:
+        raise EngineError(f"SGLang sent an answer we cannot read: {str(data)[:200]!r}") from exc
+
+
+def _error_message(response: httpx.Response) -> str:
+    """SGLang's error bodies: `{"error": {"message"}}`, `{"message"}` or plain text."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:500]
+    if isinstance(data, dict):
+        if isinstance(data.get("error"), dict):
+            return str(data["error"].get("message", data))
+        if "message" in data:
+            return str(data["message"])
+        if "detail" in data:
+            return str(data["detail"])
+    return str(data)[:500]
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
