@@ -1,0 +1,277 @@
+"""The plain-torch train backend: an HF causal LM on CPU or one GPU.
+
+One train step: a no-grad forward gives the proximal log-probs (and the reference model's, for a
+KL term), then the batch is split into `num_minibatches` optimizer steps, each accumulated over
+micro-batches that fit `micro_batch_tokens` padded tokens. Log-probs are those of the sampling
+distribution, log_softmax(logits / temperature), exactly what the engine reports. `bf16` keeps
+fp32 master weights and optimizer state and runs forward/backward under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.algorithms import policy_loss, reduce_metrics
+from trainer.backends import TrainSample
+from trainer.config import AlgorithmConfig, TrainBackendConfig
+
+CHECKPOINT_FILE = "trainer.pt"
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name} but no CUDA GPU is visible; use train.device=cpu")
+    return torch.device(name)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak LR at train step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] log-prob of each token given the previous ones (0 at position 0), and entropy."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = logits[:, :-1].float() / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse
+    logp = torch.nn.functional.pad(logp, (1, 0))
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = torch.nn.functional.pad(lse - (probs * logits).sum(-1), (1, 0))
+    return logp, entropy
+
+
+class TorchBackend:
+    """TrainBackend on plain torch; see the module docstring."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        train: TrainBackendConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        total_steps: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.cfg = train
+        self.algorithm = algorithm
+        self.temperature = temperature
+        self.device = _device(train.device)
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.to(self.device)
+        self.model.config.use_cache = False
+        if train.gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            (enable or self.model.gradient_checkpointing_enable)()
+        self.model.train()  # HF only checkpoints in train mode; these models have no dropout
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.ref_model = None
+        if algorithm.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=train.lr, weight_decay=train.weight_decay, foreach=False
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, train.warmup_steps, total_steps, train.lr_schedule),
+        )
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # -- forward helpers ------------------------------------------------------------------------
+
+    def _autocast(self):
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bf16"
+        )
+
+    def _pad(self, rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        out = torch.full((len(rows), width), value, dtype=dtype)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        return out.to(self.device)
+
+    def _micro_batches(self, idx: list[int], samples: list[TrainSample]) -> list[list[int]]:
+        """Greedy packing, longest first, so that rows * longest row <= micro_batch_tokens."""
+        order = sorted(idx, key=lambda i: -len(samples[i].token_ids))
+        batches: list[list[int]] = []
+        for i in order:
+            if batches:
+                cur = batches[-1]
+                width = len(samples[cur[0]].token_ids)  # longest, since sorted
+                if width * (len(cur) + 1) <= self.cfg.micro_batch_tokens:
+                    cur.append(i)
+                    continue
+            batches.append([i])
+        return batches
+
+    def _inputs(self, rows: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self._pad([s.token_ids for s in rows], self.pad_id, torch.long)
+        attn = self._pad([[1] * len(s.token_ids) for s in rows], 0, torch.long)
+        return ids, attn
+
+    @torch.no_grad()
+    def _score(self, model: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for mb in self._micro_batches(list(range(len(samples))), samples):
+            rows = [samples[i] for i in mb]
+            ids, attn = self._inputs(rows)
+            with self._autocast():
+                logp, _ = token_logprobs(model, ids, attn, self.temperature)
+            for j, i in enumerate(mb):
+                out[i] = logp[j, : len(samples[i].token_ids)].float()
+        return out
+
+    def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        return [t.tolist() for t in self._score(self.model, samples)]
+
+    # -- the train step -------------------------------------------------------------------------
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        for s in samples:
+            if not len(s.token_ids) == len(s.loss_mask) == len(s.logprobs):
+                raise ValueError("a sample's token_ids, loss_mask and logprobs differ in length")
+        proximal = self._score(self.model, samples)
+        ref = self._score(self.ref_model, samples) if self.ref_model is not None else None
+        lr = self.optimizer.param_groups[0]["lr"]
+        k = min(self.algorithm.num_minibatches, len(samples))
+        minibatches = [list(range(len(samples)))[j::k] for j in range(k)]
+        outputs, grad_norms, losses = [], [], []
+        for mini in minibatches:
+            num_tokens = sum(sum(samples[i].loss_mask) for i in mini)
+            num_seqs = sum(1 for i in mini if any(samples[i].loss_mask))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for mb in self._micro_batches(mini, samples):
+                rows = [samples[i] for i in mb]
+                ids, attn = self._inputs(rows)
+                mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
+                behaviour = self._pad([s.logprobs for s in rows], 0.0, torch.float32)
+                prox = self._pad([proximal[i].tolist() for i in mb], 0.0, torch.float32)
+                adv = torch.tensor([s.advantage for s in rows], device=self.device)
+                adv = adv[:, None].expand_as(mask)
+                with self._autocast():
+                    logp, entropy = token_logprobs(
+                        self.model, ids, attn, self.temperature, self.algorithm.entropy_coef > 0
+                    )
+                out = policy_loss(
+                    self.algorithm,
+                    logp,
+                    prox,
+                    behaviour,
+                    adv,
+                    mask,
+                    ref_logprobs=(
+                        self._pad([ref[i].tolist() for i in mb], 0.0, torch.float32)
+                        if ref
+                        else None
+                    ),
+                    entropy=entropy,
+                    num_tokens=max(num_tokens, 1),
+                    num_seqs=max(num_seqs, 1),
+                )
+                out.loss.backward()
+                loss_sum += out.loss.item()
+                outputs.append((out.metrics, out.num_tokens))
+            max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
+            self.optimizer.step()
+            losses.append(loss_sum)
+        self.scheduler.step()
+        self._step += 1
+        metrics = reduce_metrics(outputs)
+        metrics.update(
+            {
+                "train/loss": sum(losses) / len(losses),
+                "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/lr": lr,
+                "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
+                "train/sequences": float(len(samples)),
+            }
+        )
+        return metrics
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self._step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+            },
+            "extra": extra,
+        }
+        tmp = path / f".{CHECKPOINT_FILE}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path / CHECKPOINT_FILE)  # a crash mid-save leaves the old file intact
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        file = Path(path) / CHECKPOINT_FILE
+        if not file.is_file():
+            raise ValueError(f"run.resume: {file} does not exist; point it at a checkpoint folder")
+        state = torch.load(file, map_location=self.device, weights_only=False)  # our own file
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self._step = state["step"]
+        return state["extra"]
+
+    def save_hf(self, path: Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
