@@ -267,3 +267,15 @@ def test_router_rejects_bad_arguments():
         Router([])
     with pytest.raises(ValueError, match="health_interval_s"):
         Router([SGLangEngine("http://127.0.0.1:1")], health_interval_s=0)
+
+
+async def test_router_connects_on_first_use(urls):
+    # The gateway's engine factory only constructs the Router.
+    router = Router([SGLangEngine(u) for u in urls])
+    try:
+        assert router.max_context == 4096  # read synchronously, before any connection
+        assert await router.health()
+        out = await router.generate(PROMPT, SHORT, session_id="lazy")
+        assert len(out.output_ids) == 4
+    finally:
+        await router.close()

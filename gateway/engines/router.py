@@ -59,6 +59,8 @@ class Router:
         self._pushed_version: int | None = None
         self._next = 0
         self._health_task: asyncio.Task[None] | None = None
+        self._connected = False
+        self._connect_lock: asyncio.Lock | None = None
 
     def __repr__(self) -> str:
         return f"Router({self.engines!r})"
@@ -78,8 +80,18 @@ class Router:
                 self._healthy[i] = False
         if not any(self._healthy):
             raise EngineError(f"no engine could connect: {results}")
+        self._connected = True
         self.start_health_checks()
         return self
+
+    async def _ensure_connected(self) -> None:
+        """`connect()` once, on first use, for callers that only construct the Router."""
+        if self._connected:
+            return
+        self._connect_lock = self._connect_lock or asyncio.Lock()
+        async with self._connect_lock:
+            if not self._connected:
+                await self.connect()
 
     def start_health_checks(self) -> None:
         if self._health_task is None or self._health_task.done():
@@ -121,7 +133,15 @@ class Router:
 
     @property
     def max_context(self) -> int:
-        return min(e.max_context for e in self.engines)
+        known: list[int] = []
+        for e in self.engines:
+            try:
+                known.append(e.max_context)
+            except EngineError:
+                continue  # a down engine does not get to veto the others
+        if not known:
+            raise EngineError("no engine could report its context length")
+        return min(known)
 
     @property
     def load(self) -> int:
@@ -132,6 +152,10 @@ class Router:
         return list(self._healthy)
 
     async def health(self) -> bool:
+        try:
+            await self._ensure_connected()
+        except EngineError:
+            return False
         return bool(self._in_rotation())
 
     def engine_for(self, session_id: str) -> int | None:
@@ -178,6 +202,7 @@ class Router:
     async def _with_failover(
         self, session_id: str | None, call: Callable[[Engine], Awaitable[T]]
     ) -> T:
+        await self._ensure_connected()
         tried: set[int] = set()
         while True:
             index = self._pick(session_id, tried)
@@ -196,6 +221,7 @@ class Router:
         request_id: str | None = None,
         session_id: str | None = None,
     ) -> AsyncIterator[Chunk]:
+        await self._ensure_connected()
         request_id = request_id or uuid.uuid4().hex
         tried: set[int] = set()
         try:
@@ -249,6 +275,7 @@ class Router:
     async def _fan_out(self, what: str, call: Callable[[Engine], Awaitable[Any]]) -> list[int]:
         """Run `call` on every healthy engine; failures leave the rotation. Returns the indices
         that succeeded; raises EngineError if none did."""
+        await self._ensure_connected()
         targets = [i for i in range(len(self.engines)) if self._healthy[i]]
         results = await asyncio.gather(
             *(call(self.engines[i]) for i in targets), return_exceptions=True

@@ -162,8 +162,9 @@ def parse_version(value: str | int | None) -> int:
 
 
 class SGLangEngine:
-    """One SGLang server behind the Engine protocol. Call `await connect()` before use (it reads
-    the context length and weight version); `Router` does this for its engines."""
+    """One SGLang server behind the Engine protocol. `await connect()` reads its context length
+    and weight version; generation connects by itself if that was not done, and reading
+    `max_context` before any connection fetches it once, synchronously."""
 
     def __init__(
         self,
@@ -190,6 +191,7 @@ class SGLangEngine:
         )
         self._max_context = max_context
         self._weight_version = 0
+        self._connected = False
         self._inflight: set[str] = set()
 
     def __repr__(self) -> str:
@@ -204,7 +206,13 @@ class SGLangEngine:
     @property
     def max_context(self) -> int:
         if self._max_context is None:
-            raise EngineError(f"{self!r}: call `await engine.connect()` first")
+            # A sync property cannot await: one blocking round trip, once, if nobody connected.
+            try:
+                response = httpx.get(self.url + "/v1/models", timeout=10)
+                response.raise_for_status()
+                self._max_context = _max_model_len(response.json())
+            except (httpx.HTTPError, ValueError) as exc:
+                raise EngineError(f"{self!r}: cannot read max_model_len: {exc!r}") from exc
         return self._max_context
 
     @property
@@ -217,12 +225,16 @@ class SGLangEngine:
         info = await self.get_model_info()
         self._weight_version = parse_version(info.get("weight_version"))
         if self._max_context is None:
-            models = await self._request("GET", "/v1/models")
-            data = models.get("data") or [{}]
-            self._max_context = int(data[0].get("max_model_len") or 0) or None
-            if self._max_context is None:
-                raise EngineError(f"{self!r}: /v1/models did not report max_model_len")
+            try:
+                self._max_context = _max_model_len(await self._request("GET", "/v1/models"))
+            except ValueError as exc:
+                raise EngineError(f"{self!r}: {exc}") from exc
+        self._connected = True
         return self
+
+    async def _ensure_connected(self) -> None:
+        if not self._connected:
+            await self.connect()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -233,6 +245,7 @@ class SGLangEngine:
         request_id: str | None = None,
         session_id: str | None = None,
     ) -> AsyncIterator[Chunk]:
+        await self._ensure_connected()
         body = self._generate_body(input_ids, params, request_id, stream=True)
         rid = body["rid"]
         self._inflight.add(rid)
@@ -271,6 +284,7 @@ class SGLangEngine:
         request_id: str | None = None,
         session_id: str | None = None,
     ) -> Generation:
+        await self._ensure_connected()
         body = self._generate_body(input_ids, params, request_id, stream=False)
         self._inflight.add(body["rid"])
         try:
@@ -591,6 +605,14 @@ def _parse_event(data: str | bytes) -> GenerateResponse:
         return GenerateResponse.model_validate_json(data)
     except ValidationError as exc:
         raise EngineError(f"SGLang sent an answer we cannot read: {str(data)[:200]!r}") from exc
+
+
+def _max_model_len(models: dict[str, Any]) -> int:
+    data = models.get("data") or [{}]
+    value = int(data[0].get("max_model_len") or 0)
+    if value <= 0:
+        raise ValueError("/v1/models did not report max_model_len")
+    return value
 
 
 def _error_message(response: httpx.Response) -> str:
