@@ -1,0 +1,190 @@
+"""The one metrics interface of a run: metrics.jsonl always, TensorBoard/W&B when asked, plots.
+
+`MetricsLogger.log(step, metrics)` appends one JSON line per step to `<run>/metrics.jsonl` (with
+`step` and `time_s`, the run's wall time, which continues across a resume) and mirrors it to
+TensorBoard and W&B when `logging.tensorboard` / `logging.wandb` are set. Asking for one that is
+not installed is an error at start, not a silent no-op. `plot_run` turns metrics.jsonl into PNGs
+at the end: reward and eval curves, the train-inference gap, and the trainer's utilization
+timeline (waiting for generation vs training vs weight sync, per step).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """See the module docstring. `resume_step` drops lines after that step (they are redone)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "loongsage",
+        config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        offset = 0.0
+        if resume_step is not None:
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            offset = max((r.get("time_s", 0.0) for r in kept), default=0.0)
+        elif self.path.exists():
+            self.path.unlink()
+        self._start = time.monotonic() - offset
+        self._file = self.path.open("a")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError(
+                    "logging.tensorboard=true but the tensorboard package is not installed: "
+                    "pip install tensorboard, or set logging.tensorboard=false"
+                )
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if wandb:
+            if importlib.util.find_spec("wandb") is None:
+                raise ValueError(
+                    "logging.wandb=true but the wandb package is not installed: "
+                    "pip install wandb, or set logging.wandb=false"
+                )
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(
+                project=wandb_project, dir=str(self.run_dir), config=dict(config or {})
+            )
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Write one line for `step`; returns the record written."""
+        record: dict[str, Any] = {"step": step, "time_s": round(self.elapsed(), 3)}
+        for key, value in metrics.items():
+            value = float(value)
+            record[key] = value if math.isfinite(value) else None  # JSON has no NaN
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """PNG plots of `<run_dir>/metrics.jsonl` into `<run_dir>/plots/`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / METRICS_FILE)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(rows, "reward/mean"), label="train reward (mean)")
+    ax.plot(*_series(rows, "eval/success_rate"), "o-", label="eval success rate (held out)")
+    ax.set_xlabel("step")
+    ax.set_title("Reward and evaluation")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "reward.png")
+
+    gap = [
+        ("mismatch/logprob_abs_diff", "mean |logp_train - logp_rollout|"),
+        ("mismatch/k3_kl", "k3 KL(rollout || train)"),
+        ("mismatch/clip_frac", "IS ratio truncated/masked fraction"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    for ax, (key, title) in zip(axes.flat, gap, strict=False):
+        ax.plot(*_series(rows, key))
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    ax = axes.flat[3]
+    ax.plot(*_series(rows, "mismatch/ratio_max"), label="max")
+    ax.plot(*_series(rows, "mismatch/ratio_min"), label="min")
+    ax.set_yscale("log")
+    ax.set_title("IS ratio exp(logp_train - logp_rollout)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.suptitle("Train-inference gap")
+    save(fig, "mismatch.png")
+
+    # Trainer timeline: each step ends at time_s after waiting, training and syncing.
+    phases = [
+        ("time/generation_wait_s", "waiting for rollouts", "tab:gray"),
+        ("time/train_s", "training", "tab:blue"),
+        ("time/weight_sync_s", "weight sync", "tab:orange"),
+    ]
+    steps = [r for r in rows if r.get("time/train_s") is not None]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5))
+    for r in steps:
+        durations = [r.get(k) or 0.0 for k, _, _ in phases]
+        start = r["time_s"] - sum(durations)
+        for (_, _, color), d in zip(phases, durations, strict=True):
+            top.broken_barh([(start, d)], (0, 1), color=color)
+            start += d
+    top.set_yticks([])
+    top.set_xlabel("wall time (s)")
+    top.set_title("Trainer utilization timeline")
+    xs = [r["step"] for r in steps]
+    base = [0.0] * len(steps)
+    for key, label, color in phases:
+        vals = [r.get(key) or 0.0 for r in steps]
+        bottom.bar(xs, vals, bottom=base, label=label, color=color)
+        base = [b + v for b, v in zip(base, vals, strict=True)]
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("seconds")
+    bottom.legend(fontsize=8)
+    save(fig, "timeline.png")
+    return written
