@@ -151,3 +151,22 @@ def test_drop_stale_and_histogram():
     assert batch.metrics()["staleness/mean"] == pytest.approx(0.25)
     assert oldest_version(traj(0.0, [3, 2])) == 2
     assert token_staleness([traj(0.0, [3, 2])], 3) == {0: 1, 1: 1}
+
+
+def test_prompt_stream_is_seeded_and_resumable():
+    from trainer.buffer import PromptStream
+
+    a = PromptStream(["a", "b", "c"], seed=1)
+    first = [a.next() for _ in range(6)]
+    assert sorted(first[:3]) == ["a", "b", "c"] and sorted(first[3:]) == ["a", "b", "c"]
+    b = PromptStream(["a", "b", "c"], seed=1)
+    b.load_state_dict({"index": 4})
+    assert [b.next() for _ in range(2)] == first[4:]
+    seeds = PromptStream(seed=3)
+    s = [seeds.next() for _ in range(3)]
+    resumed = PromptStream(seed=3)
+    resumed.load_state_dict(seeds.state_dict())
+    assert resumed.next() == seeds.next() and len(set(s)) == 3
+    assert [PromptStream(seed=4).next() for _ in range(2)][0] != s[0]
+    with pytest.raises(ValueError, match="items is empty"):
+        PromptStream([])

@@ -20,6 +20,7 @@ arrival order; `pop_batch` takes the oldest `batch_size` of them.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +217,10 @@ class GroupBatcher:
         """The oldest batch_size waiting groups (call drop_stale first; needs enough ready)."""
         assert len(self.ready) >= self.batch_size, "pop_batch without a full batch ready"
         groups, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size :]
+        # Train in a fixed order whatever the completion order: reproducible steps and resumes.
+        groups.sort(key=lambda g: g.group_id)
+        for g in groups:
+            g.trajectories.sort(key=lambda t: t.metadata.get("sample_index", 0))
         trajs = [t for g in groups for t in g.trajectories]
         return Batch(groups=groups, version=version, staleness=token_staleness(trajs, version))
 
@@ -224,3 +229,38 @@ class GroupBatcher:
         out = {f"rollout/dropped_{k}": float(v) for k, v in sorted(self.drops.items())}
         out["rollout/aborted_samples"] = float(self.aborted_samples)
         return out
+
+
+class PromptStream:
+    """The training prompts, in a seeded order that a checkpoint can resume exactly.
+
+    With `items`, each epoch is a fresh seeded shuffle of them; without, prompts are integer
+    task seeds (for envs whose `reset(seed=...)` draws the task). State: how many were drawn.
+    """
+
+    def __init__(self, items: list[Any] | None = None, seed: int = 0) -> None:
+        if items is not None and not items:
+            raise ValueError("PromptStream: items is empty; give at least one prompt")
+        self.items = items
+        self.seed = seed
+        self.index = 0
+        self._order: list[int] = []
+        self._epoch = -1
+
+    def next(self) -> Any:
+        i = self.index
+        self.index += 1
+        if self.items is None:
+            return random.Random(f"{self.seed}:{i}").randrange(2**31)
+        epoch, pos = divmod(i, len(self.items))
+        if epoch != self._epoch:
+            self._order = list(range(len(self.items)))
+            random.Random(f"{self.seed}:epoch{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self.items[self._order[pos]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.index = int(state["index"])

@@ -1,0 +1,225 @@
+"""The controller's loop: sync and async with a pure-Python rollout source and the real torch
+backend (tiny model), then end to end with the real embedded engine generating the rollouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gateway.engines.base import SamplingParams
+from gateway.engines.local import LocalEngine
+from gateway.trajectory import Trajectory, Turn
+from trainer.backends.torch_backend import TorchBackend
+from trainer.config import TrainerConfig, load
+from trainer.controller import Controller
+from trainer.metrics import read_metrics
+from trainer.weights import InProcessPush, PushReport
+
+REQUIRED = [
+    "step", "time_s", "reward/mean", "response/len_mean", "throughput/tokens_per_s",
+    "time/generation_wait_s", "time/train_s", "time/weight_sync_s", "time/trainer_idle_frac",
+    "staleness/mean", "staleness/max", "mismatch/logprob_abs_diff", "mismatch/k3_kl",
+    "mismatch/ratio_max", "mismatch/clip_frac", "train/grad_norm", "train/lr",
+]  # fmt: skip
+
+
+class ToySource:
+    """Pure-Python rollouts: seeded tokens and reward, long-tailed durations, and per-token
+    versions read from `version` (moved by ToyPush) while the rollout runs."""
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.version = 0
+        self.spans: list[tuple[int, int]] = []  # (version at start, version at end)
+        self.fail_every = fail_every
+        self.calls = 0
+
+    async def rollout(self, prompt, *, group_id, sample_index, seed) -> Trajectory:
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise RuntimeError("agent crashed")
+        rng = random.Random(seed)
+        start = self.version
+        out_ids, versions = [], []
+        for _ in range(rng.randint(2, 6)):
+            await asyncio.sleep(min(rng.paretovariate(1.2), 20) * 0.002)
+            out_ids.append(rng.randrange(100, 1000))
+            versions.append(self.version)
+        self.spans.append((start, self.version))
+        turn = Turn(
+            prompt_ids=[1, 10 + prompt % 50, 2],
+            output_ids=out_ids,
+            output_logprobs=[-7.0] * len(out_ids),
+            output_versions=versions,
+            finish_reason="stop",
+        )
+        traj = Trajectory(f"{group_id}-{sample_index}", reward=float(rng.random() < 0.5))
+        traj.turns.append(turn)
+        traj.rebuild_segments()
+        return traj
+
+
+class ToyPush:
+    def __init__(self, source: ToySource) -> None:
+        self.source = source
+        self.versions: list[int] = []
+
+    async def push(self, state_dict, version: int) -> PushReport:
+        self.versions.append(version)
+        self.source.version = version
+        return PushReport(version=version, bytes=1, seconds=1e-6, receivers=1)
+
+
+def config(tmp_path, *overrides: str) -> TrainerConfig:
+    return load(["recipe=tiny", f"run.dir={tmp_path}", *overrides])
+
+
+def backend_for(cfg: TrainerConfig, path) -> TorchBackend:
+    return TorchBackend(
+        path, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature,
+        total_steps=cfg.run.steps, seed=cfg.run.seed,
+    )  # fmt: skip
+
+
+class CountingEvaluator:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        self.steps.append(step)
+        return {"eval/success_rate": step / 10}
+
+
+async def run_toy(tmp_path, tiny_model_path, *overrides, source=None):
+    cfg = config(tmp_path, *overrides)
+    source = source or ToySource()
+    push = ToyPush(source)
+    evaluator = CountingEvaluator()
+    ctl = Controller(
+        cfg, backend_for(cfg, tiny_model_path), source, push, evaluator=evaluator,
+        decode=lambda ids: " ".join(map(str, ids)),
+    )  # fmt: skip
+    summary = await ctl.run()
+    return ctl, summary, source, push, evaluator
+
+
+async def test_synchronous_run_and_run_directory(tmp_path, tiny_model_path):
+    ctl, summary, source, push, evaluator = await run_toy(
+        tmp_path, tiny_model_path, "rollout.max_staleness=0", "run.steps=3", "eval.every=2"
+    )
+    assert all(start == end for start, end in source.spans)  # nothing spans a weight update
+    assert push.versions == [1, 2, 3]
+    assert evaluator.steps == [0, 2, 3]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["eval/success_rate"] == 0.0 and rows[2]["eval/success_rate"] == 0.2
+    for row in rows[1:]:
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, missing
+        assert row["staleness/max"] == 0.0
+        assert 0.0 <= row["time/trainer_idle_frac"] <= 1.0
+        assert row["mismatch/logprob_abs_diff"] > 0  # behaviour logprobs are fake: a gap
+    assert (tmp_path / "config.yaml").is_file()
+    assert load([f"recipe={tmp_path / 'config.yaml'}"]) == ctl.cfg  # resolved config reloads
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 and samples[0]["text"].startswith("1 ")
+    assert {p.name for p in summary.plots} == {"reward.png", "mismatch.png", "timeline.png"}
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000001", "step_000002", "step_000003",
+    ]  # fmt: skip
+    assert "eval/success_rate: 0.000 -> 0.300" in summary.text()
+
+
+async def test_async_run_overlaps_and_bounds_staleness(tmp_path, tiny_model_path):
+    _, _, source, _, _ = await run_toy(
+        tmp_path, tiny_model_path, "rollout.max_staleness=1", "run.steps=4",
+        "rollout.num_samples_per_prompt=3", "run.checkpoint_every=0", "eval.every=0",
+    )  # fmt: skip
+    rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert all(r["staleness/max"] <= 1 for r in rows)
+    # batch v+1 was generated with version v while step v trained: generation overlapped it
+    assert any(r["staleness/max"] == 1 for r in rows)
+    assert len(source.spans) > 4 * 2 * 3  # and it ran ahead of the trainer
+
+
+async def test_failing_rollouts_are_data(tmp_path, tiny_model_path):
+    ctl, _, _, _, _ = await run_toy(
+        tmp_path, tiny_model_path, "run.steps=2", "rollout.num_samples_per_prompt=3",
+        source=ToySource(fail_every=4),
+    )  # fmt: skip
+    assert ctl.batcher.abort_reasons["RuntimeError: agent crashed"] >= 1
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["rollout/aborted_samples"] >= 1
+
+
+async def test_resume_trains_the_same_next_batch(tmp_path, tiny_model_path):
+    # synchronous: which groups make a batch does not depend on completion timing
+    first, *_ = await run_toy(
+        tmp_path / "a", tiny_model_path, "run.steps=2", "rollout.max_staleness=0"
+    )
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000001"
+    resumed, *_ = await run_toy(
+        tmp_path / "b",
+        tiny_model_path,
+        "run.steps=2",
+        f"run.resume={ckpt}",
+        "rollout.max_staleness=0",
+    )
+    a, b = first.batches[-1], resumed.batches[-1]
+    assert [(g.group_id, g.prompt, g.rewards) for g in a.groups] == [
+        (g.group_id, g.prompt, g.rewards) for g in b.groups
+    ]
+    for pa, pb in zip(
+        first.backend.model.parameters(), resumed.backend.model.parameters(), strict=True
+    ):
+        assert torch.equal(pa, pb)
+    rows = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2]
+
+
+class EngineSource:
+    """Real rollouts: the embedded engine samples a continuation; reward = it contains an even
+    token id among its first four (arbitrary, but it varies within a group)."""
+
+    def __init__(self, engine: LocalEngine, max_tokens: int) -> None:
+        self.engine = engine
+        self.max_tokens = max_tokens
+
+    async def rollout(self, prompt, *, group_id, sample_index, seed) -> Trajectory:
+        ids = [1, 10 + prompt % 1000, 20 + prompt % 7]
+        params = SamplingParams(max_tokens=self.max_tokens, temperature=1.0, seed=seed)
+        gen = await self.engine.generate(ids, params)
+        turn = Turn(ids, gen.output_ids, gen.output_logprobs, gen.output_versions,
+                    gen.finish_reason)  # fmt: skip
+        traj = Trajectory(f"{group_id}-{sample_index}", turns=[turn])
+        traj.reward = float(any(t % 2 == 0 for t in gen.output_ids[:4]))
+        traj.rebuild_segments()
+        return traj
+
+
+async def test_end_to_end_with_the_embedded_engine(tmp_path, tiny_model_path):
+    cfg = config(tmp_path, "rollout.max_staleness=1")
+    async with LocalEngine(tiny_model_path, max_batch_size=8) as engine:
+        ctl = Controller(
+            cfg, backend_for(cfg, tiny_model_path), EngineSource(engine, cfg.rollout.max_tokens),
+            InProcessPush([engine], cfg.rollout.partial_rollout),
+        )  # fmt: skip
+        await ctl.run()
+        assert engine.weight_version == 2
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert not [k for k in REQUIRED if k not in row]
+        # the engine's logprobs and the trainer's agree on the tiny model in fp32
+        assert row["mismatch/logprob_abs_diff"] < 1e-3
+        assert row["staleness/max"] <= 1
+        assert row["weights/bytes"] > 0
+
+
+def test_trainer_config_has_no_unknown_sections():
+    with pytest.raises(ValueError, match="did you mean rollout"):
+        load(["rolout.batch_size=2"])
