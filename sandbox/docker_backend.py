@@ -102,6 +102,13 @@ class DockerSandbox:
         if sock is not None:
             st = os.stat(sock)
             self.user = f"{st.st_uid}:{st.st_gid}"
+        try:
+            self._create_volume_and_holder()
+        except docker.errors.DockerException as e:
+            raise SandboxError(f"docker: could not start the sandbox: {e}") from None
+
+    def _create_volume_and_holder(self) -> None:
+        assert self.client is not None
         uid, gid = self.user.split(":")
         self.volume = self.client.volumes.create(
             name=self.name,
@@ -225,7 +232,8 @@ class DockerSandbox:
 
         cfg = self.cfg
         assert self.client is not None and self.volume is not None
-        mounts = [Mount(WORKDIR, self.volume.name, type="volume")]
+        # no_copy: else docker copies the image's /work (and its root ownership) onto the volume
+        mounts = [Mount(WORKDIR, self.volume.name, type="volume", no_copy=True)]
         if cfg.gateway_socket is not None and not holder:
             mounts.append(Mount(INSIDE_FORWARDER, str(FORWARDER_FILE), type="bind", read_only=True))
             mounts.append(Mount(INSIDE_SOCKET, cfg.gateway_socket, type="bind", read_only=True))
@@ -249,7 +257,7 @@ class DockerSandbox:
             pids_limit=4 if holder else cfg.pids,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
-            init=True,
+            init=not holder,  # the holder's `sleep` as pid 1: a missing binary fails `start`
             labels={LABEL: self.name},
             log_config=LogConfig(
                 type="json-file", config={"max-size": str(2 * cfg.output_limit_bytes)}

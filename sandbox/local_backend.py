@@ -9,7 +9,8 @@ Each run is `prlimit ... bwrap ... python3 forwarder.py ... -- CMD` started in i
   whole pid namespace.
 - **process** (no bwrap): the command runs on the host in the work dir, in its own process
   group. It has the host's network and file system (read access as its uid). It is logged as
-  less isolation, and `isolation` says so.
+  less isolation, and `isolation` says so. The forwarder runs as a thread on the host (a free
+  port of the shared loopback), and `python3` is whatever the sandbox uid finds on PATH.
 
 In both: rlimits (RLIMIT_DATA = memory_mb per process, RLIMIT_NPROC = pids, RLIMIT_CPU as a
 backstop of timeout_s x ceil(cpus), RLIMIT_FSIZE = disk_mb, no core files), CPU affinity to
@@ -34,11 +35,13 @@ What it does NOT give (use `docker` for these):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +66,7 @@ from sandbox.base import (
     signal_reason,
     tail,
 )
+from sandbox.forwarder import serve, unix_connector
 
 _uid_counter = itertools.count()
 # not /work: this Python may live under /work (a venv in a checkout) and is bound too
@@ -99,13 +103,24 @@ class LocalSandbox:
                 "(host network and file system visible)"
             )
         self._procs: set[subprocess.Popen] = set()
+        self._listener: socket.socket | None = None  # process mode's host-side forwarder
 
     # ---- lifecycle ----
 
     def start(self) -> None:
         if not self.bwrap:
             log.warning("sandbox: bwrap not used; %s", self.isolation)
-        check_gateway_socket(self.cfg.gateway_socket, other_uid=self.uid != os.geteuid())
+        sock = self.cfg.gateway_socket
+        check_gateway_socket(sock, other_uid=self.bwrap is not None and self.uid != os.geteuid())
+        if sock is not None and not self.bwrap:
+            # No namespace to bind the socket into (and its folder may be closed to the sandbox
+            # uid): forward from a thread here; the agent shares the host's loopback anyway.
+            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._listener.bind(("127.0.0.1", 0))
+            self._listener.listen(128)
+            threading.Thread(
+                target=serve, args=(self._listener, unix_connector(sock)), daemon=True
+            ).start()
         self.root = Path(tempfile.mkdtemp(prefix="loongsage-sandbox-"))
         self.workdir = self.root / "work"
         self.workdir.mkdir()
@@ -116,6 +131,11 @@ class LocalSandbox:
         os.chmod(self.root, 0o711)
 
     def stop(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+            self._listener = None
         for proc in list(self._procs):
             self._kill(proc)
         if self.root is not None:
@@ -244,10 +264,13 @@ class LocalSandbox:
         if self.bwrap or not root:
             run_env["PATH"] = f"{Path(sys.executable).parent}:{run_env['PATH']}"
         # Without a net namespace all sandboxes share the host loopback: let the forwarder pick.
-        argv = launcher(cfg, cmd, cfg.gateway_port if self.bwrap else 0)
-        if cfg.gateway_socket is not None and not self.bwrap:
-            argv[argv.index(INSIDE_FORWARDER)] = str(FORWARDER_FILE)
-            argv[argv.index(INSIDE_SOCKET)] = cfg.gateway_socket
+        if self.bwrap:
+            argv = launcher(cfg, cmd, cfg.gateway_port)
+        else:  # the forwarder runs on the host (start), on a free port of the shared loopback
+            argv = launcher(dataclasses.replace(cfg, gateway_socket=None), cmd, 0)
+            if self._listener is not None:
+                port = self._listener.getsockname()[1]
+                run_env.setdefault("OPENAI_BASE_URL", f"http://127.0.0.1:{port}{cfg.gateway_path}")
         if self.bwrap:
             if root:
                 # RLIMIT_NPROC does not bind root: bwrap runs privileged (no user namespace, so

@@ -1,0 +1,457 @@
+"""Sandboxes, through every backend: files and logs, the only way out, limits, clean-up.
+
+Backends: `bwrap` and `process` (the local backend's two modes) and `docker` (marked `docker`;
+skipped with the reason when no Docker engine or no sandbox image is there). The "gateway" here
+is a small HTTP server on a Unix socket started by the test; `test_sandbox_gateway.py` goes
+through the real gateway.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gateway.config import parse_cli
+from sandbox import SandboxConfig, SandboxError, open_sandbox
+from sandbox.image import DEFAULT_IMAGE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def docker_ready() -> str:
+    """'' when the Docker engine and the sandbox image are there, else why not."""
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        client.images.get(DEFAULT_IMAGE)
+    except Exception as e:  # noqa: BLE001 - any failure means: skip, with the reason
+        return f"docker sandbox unavailable ({e}); run scripts/test_services.sh"
+    return ""
+
+
+BACKENDS = [
+    pytest.param(
+        "bwrap",
+        marks=pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed"),
+    ),
+    pytest.param("process"),
+    pytest.param("docker", marks=pytest.mark.docker),
+]
+ISOLATED = [p for p in BACKENDS if p.values[0] != "process"]
+
+
+def make_cfg(backend: str, **kw) -> SandboxConfig:
+    if backend == "docker":
+        why = docker_ready()
+        if why:
+            pytest.skip(why)
+        return SandboxConfig(kind="docker", **kw)
+    return SandboxConfig(kind="local", local_isolation=backend, **kw)
+
+
+# ---- a fake gateway on a Unix socket, and a TCP canary on the host loopback ----
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like a real server
+
+    def log_message(self, *args):  # client_address is '' on a Unix socket
+        pass
+
+    def _send(self, obj: dict, status: int = 200) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        elif self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(5):
+                data = f"data: {i}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self._send({"path": self.path, "auth": self.headers.get("Authorization")})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._send({"sha256": hashlib.sha256(body).hexdigest(), "len": len(body)})
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+@pytest.fixture
+def fake_gateway(tmp_path):
+    path = str(tmp_path / "gw.sock")
+    server = _UnixHTTPServer(path, _Handler)
+    os.chmod(path, 0o666)
+    os.chmod(tmp_path, 0o755)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield path
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def canary_port():
+    """A TCP server on the host's loopback that no sandbox may reach."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    yield srv.getsockname()[1]
+    srv.close()
+
+
+# ---- files and logs ----
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_files_and_logs_come_back(backend):
+    script = (
+        "import sys, pathlib\n"
+        "print('to stdout', open('in/task.txt').read())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "pathlib.Path('out').mkdir()\n"
+        "pathlib.Path('out/answer.txt').write_text('42')\n"
+        "pathlib.Path('raw.bin').write_bytes(bytes(range(256)))\n"
+    )
+    with open_sandbox(make_cfg(backend, timeout_s=60)) as sb:
+        sb.put_files({"in/task.txt": "six times seven", "agent.py": script})
+        res = sb.run(["python3", "agent.py"])
+        assert res.status == "ok", res
+        assert res.exit_code == 0 and res.reason == ""
+        assert "to stdout six times seven" in res.stdout
+        assert "to stderr" in res.stderr
+        files = sb.get_files(["out", "raw.bin", "in/task.txt", "missing.txt"])
+        assert files == {
+            "out/answer.txt": b"42",
+            "raw.bin": bytes(range(256)),
+            "in/task.txt": b"six times seven",
+        }
+        # a later run sees the files of an earlier one (one work dir per sandbox)
+        res = sb.run(["cat", "out/answer.txt"])
+        assert res.stdout == "42"
+        res = sb.run(["sh", "-c", "echo oops >&2; exit 3"])
+        assert (res.status, res.exit_code) == ("error", 3)
+        assert "oops" in res.reason
+        with pytest.raises(ValueError, match="relative path"):
+            sb.put_files({"../escape.txt": "x"})
+        with pytest.raises(ValueError, match="relative path"):
+            sb.get_files(["/etc/passwd"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_links_out_of_the_work_dir_are_not_followed(backend):
+    with open_sandbox(make_cfg(backend, timeout_s=60)) as sb:
+        res = sb.run(["ln", "-s", "/etc/hostname", "answer.txt"])
+        assert res.status == "ok", res
+        assert sb.get_files(["answer.txt"]) == {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_command_is_an_error_result(backend):
+    with open_sandbox(make_cfg(backend, timeout_s=60)) as sb:
+        res = sb.run(["no-such-program-xyz"])
+        assert res.status == "error"
+        assert res.exit_code != 0
+
+
+# ---- the only way out ----
+
+NET_PROBE = """
+import json, socket, sys, urllib.request
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "reached"
+    except Exception as e:
+        out[name] = type(e).__name__
+attempt("canary", lambda: socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=3))
+attempt("dns", lambda: socket.getaddrinfo("deb.debian.org", 80))
+attempt("outside", lambda: socket.create_connection(("1.1.1.1", 80), timeout=3))
+attempt("outside_v6", lambda: socket.create_connection(("2606:4700:4700::1111", 80), timeout=3))
+base = __import__("os").environ["OPENAI_BASE_URL"]
+req = urllib.request.Request(base + "/whoami")
+req.add_header("Authorization", "Bearer " + __import__("os").environ["OPENAI_API_KEY"])
+out["gateway"] = json.loads(urllib.request.urlopen(req, timeout=10).read())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("backend", ISOLATED)
+def test_reaches_the_gateway_and_nothing_else(backend, fake_gateway, canary_port):
+    cfg = make_cfg(backend, timeout_s=60, gateway_socket=fake_gateway, api_key="sess-key-1")
+    with open_sandbox(cfg) as sb:
+        sb.put_files({"probe.py": NET_PROBE})
+        res = sb.run(["python3", "probe.py", str(canary_port)])
+        assert res.status == "ok", res
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["gateway"] == {"path": "/v1/whoami", "auth": "Bearer sess-key-1"}
+        assert out["canary"] != "reached"
+        assert out["dns"] != "reached"
+        assert out["outside"] != "reached"
+        assert out["outside_v6"] != "reached"
+        # the per-run env wins over the config (a fresh session key per rollout)
+        res = sb.run(
+            ["sh", "-c", "echo $OPENAI_BASE_URL $OPENAI_API_KEY"], env={"OPENAI_API_KEY": "k2"}
+        )
+        assert res.stdout.split() == [f"http://127.0.0.1:{cfg.gateway_port}/v1", "k2"]
+
+
+def test_process_mode_says_it_isolates_less(fake_gateway):
+    cfg = make_cfg("process", timeout_s=60, gateway_socket=fake_gateway, api_key="k")
+    with open_sandbox(cfg) as sb:
+        assert "LESS ISOLATION" in sb.isolation
+        sb.put_files({"probe.py": NET_PROBE})
+        res = sb.run(["python3", "probe.py", "1"])
+        assert res.status == "ok", res
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["gateway"]["auth"] == "Bearer k"  # the forwarder works without a netns too
+
+
+FORWARDER_CLIENT = """
+import hashlib, http.client, json, os, urllib.parse, openai
+client = openai.OpenAI()
+models = [m.id for m in client.models.list().data]
+url = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])
+body = os.urandom(3 << 20)
+http = http.client.HTTPConnection(url.hostname, url.port, timeout=30)  # one keep-alive connection
+echoes = []
+for _ in range(3):
+    http.request("POST", "/echo", body=body)
+    echoes.append(json.loads(http.getresponse().read()))
+http.request("GET", "/stream")
+events = [line for line in http.getresponse().read().decode().splitlines() if line]
+print(json.dumps({"models": models, "echoes": echoes, "events": events,
+                  "sha": hashlib.sha256(body).hexdigest()}))
+"""
+
+
+@pytest.mark.parametrize("backend", ISOLATED)
+def test_forwarder_with_real_http_clients(backend, fake_gateway):
+    cfg = make_cfg(backend, timeout_s=120, gateway_socket=fake_gateway)
+    with open_sandbox(cfg) as sb:
+        sb.put_files({"client.py": FORWARDER_CLIENT})
+        res = sb.run(["python3", "client.py"])
+        assert res.status == "ok", res
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["models"] == ["fake"]
+        assert out["echoes"] == [{"sha256": out["sha"], "len": 3 << 20}] * 3
+        assert out["events"] == [f"data: {i}" for i in range(5)]
+
+
+# ---- limits: each misbehaviour is stopped and reported; the others carry on ----
+
+MEMORY_HOG = "blocks = []\nwhile True:\n    blocks.append(bytearray(32 << 20))\n"
+FORK_BOMB = (
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+)
+INFINITE_LOOP = "while True:\n    pass\n"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_misbehaving_agents_are_stopped_and_others_carry_on(backend):
+    def run(script: str, timeout_s: float, **kw):
+        with open_sandbox(make_cfg(backend, timeout_s=timeout_s, **kw)) as sb:
+            sb.put_files({"agent.py": script})
+            return sb.run(["python3", "agent.py"])
+
+    healthy = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.5)\n"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        hog = pool.submit(run, MEMORY_HOG, 60, memory_mb=256)
+        bomb = pool.submit(run, FORK_BOMB, 6, pids=32)
+        loop = pool.submit(run, INFINITE_LOOP, 3)
+        ok = pool.submit(run, healthy, 120)
+        hog, bomb, loop, ok = hog.result(), bomb.result(), loop.result(), ok.result()
+    assert hog.status == "killed" and hog.reason.startswith("memory"), hog
+    assert bomb.status == "killed" and bomb.reason.startswith("pids"), bomb
+    assert loop.status == "timeout" and "wall time" in loop.reason, loop
+    assert ok.status == "ok" and ok.stdout.split() == ["0", "1", "2"], ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_everything_started_is_stopped(backend):
+    """Background children outlive the command; the sandbox kills them when the run ends."""
+    with open_sandbox(make_cfg(backend, timeout_s=60)) as sb:
+        res = sb.run(["sh", "-c", "sleep 300 & sleep 300 & echo started"])
+        assert res.status == "ok" and res.stdout.strip() == "started", res
+        if backend != "docker" and os.geteuid() == 0:
+            from sandbox.local_backend import _pids_of_uid
+
+            assert _pids_of_uid(sb.uid) == []
+    if backend == "docker":
+        assert leftover_containers() == []
+
+
+# ---- start, stop, half-failed start ----
+
+
+def leftover_containers() -> list[str]:
+    import docker
+
+    client = docker.from_env()
+    names = [
+        c.name for c in client.containers.list(all=True, filters={"label": "loongsage.sandbox"})
+    ]
+    names += [v.name for v in client.volumes.list(filters={"label": "loongsage.sandbox"})]
+    return names
+
+
+def empty_image() -> str:
+    """A Docker image with one file and no programs (built once, from a tar, offline)."""
+    import io
+    import tarfile
+
+    import docker
+
+    tag = "loongsage-test-empty:1"
+    client = docker.from_env()
+    try:
+        client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("README")
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"empty"))
+        subprocess.run(["docker", "import", "-", tag], input=buf.getvalue(), check=True)
+    return tag
+
+
+def local_tmpdirs() -> set[str]:
+    import tempfile
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob("loongsage-sandbox-*")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_failed_start_and_errors_clean_up(backend, tmp_path):
+    before = local_tmpdirs()
+    not_a_socket = tmp_path / "gw.sock"
+    not_a_socket.write_text("")
+    for bad in (str(tmp_path / "missing.sock"), str(not_a_socket)):
+        with pytest.raises(SandboxError, match="gateway_socket"):
+            with open_sandbox(make_cfg(backend, gateway_socket=bad)):
+                pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with open_sandbox(make_cfg(backend)) as sb:
+            sb.put_files({"a.txt": "x"})
+            raise RuntimeError("boom")
+    assert local_tmpdirs() == before
+    if backend == "docker":
+        assert leftover_containers() == []
+        with pytest.raises(SandboxError, match="image"):
+            with open_sandbox(make_cfg(backend, image="loongsage-no-such-image:1")):
+                pass
+        # an image without `sleep`: the volume and the holder exist when the holder's start fails
+        with pytest.raises(SandboxError, match="could not start"):
+            with open_sandbox(make_cfg(backend, image=empty_image())):
+                pass
+        assert leftover_containers() == []
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxConfig(memory_mb=0)
+    with pytest.raises(ValueError, match="gateway_path"):
+        SandboxConfig(gateway_path="v1")
+    with pytest.raises(ValueError, match="kind"):
+        with open_sandbox(SandboxConfig(kind="vm")):  # type: ignore[arg-type]
+            pass
+    cfg = parse_cli(SandboxConfig, ["kind=docker", "pids=64", "gateway_socket=/tmp/gw.sock"])
+    assert (cfg.kind, cfg.pids, cfg.gateway_socket) == ("docker", 64, "/tmp/gw.sock")
+    with pytest.raises(ValueError, match="did you mean memory_mb"):
+        parse_cli(SandboxConfig, ["memory_mib=5"])
+    with open_sandbox(SandboxConfig()) as sb:
+        with pytest.raises(ValueError, match="cmd"):
+            sb.run([])
+
+
+# ---- the command line ----
+
+
+def sandbox_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sandbox.run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_sandbox_run_prints_one_json_result(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import sys\nprint('hello', sys.argv[1])\nsys.exit(4)\n")
+    proc = sandbox_run("backend=local", f"files=[{script}]", "--", "python3", "hello.py", "x")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {
+        "status",
+        "exit_code",
+        "reason",
+        "duration_s",
+        "stdout_tail",
+        "stderr_tail",
+        "isolation",
+    }
+    assert (out["status"], out["exit_code"], out["stdout_tail"]) == ("error", 4, "hello x\n")
+    proc = sandbox_run("backend=local", "timeout_s=1", "--", "sleep", "30")
+    assert json.loads(proc.stdout)["status"] == "timeout"
+    proc = sandbox_run("backnd=local", "--", "true")
+    assert proc.returncode == 2 and "did you mean backend" in proc.stderr
+    proc = sandbox_run("backend=local")
+    assert proc.returncode == 2 and "no command" in proc.stderr
+
+
+def test_sandbox_run_relays_a_tcp_gateway(tmp_path):
+    """gateway=http://... : the sandbox has no network, so a host relay exposes the URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/sessions/abc/v1"
+        probe = (
+            "import os, urllib.request\n"
+            "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/models')\n"
+            "req.add_header('Authorization', 'Bearer ' + os.environ['OPENAI_API_KEY'])\n"
+            "print(urllib.request.urlopen(req).read().decode())\n"
+        )
+        script = tmp_path / "probe.py"
+        script.write_text(probe)
+        proc = sandbox_run(f"gateway={url}", f"files=[{script}]", "--", "python3", "probe.py")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = json.loads(proc.stdout)
+        assert json.loads(out["stdout_tail"]) == {
+            "path": "/sessions/abc/v1/models",
+            "auth": "Bearer EMPTY",
+        }
+    finally:
+        server.shutdown()
+        server.server_close()
