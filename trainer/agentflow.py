@@ -1,37 +1,168 @@
 """AgentFlow: one rollout = one gateway session = one Trajectory, for any kind of agent.
 
-- white-box: `run_tool_episode` is the standard tool-calling loop. It steps a `ToolEnv` and
-  calls the model through an OpenAI client pointed at the gateway (in-process over an ASGI
-  transport, or over HTTP), so its tokens land in the same session token log as any other agent.
-- black-box: an unmodified program runs in a sandbox with `OPENAI_BASE_URL`/`OPENAI_API_KEY` of
-  a fresh session, and the env's verifier scores what it left behind.
+- `tool_loop` (white-box): `run_tool_episode` is the standard tool-calling loop. It steps a
+  `ToolEnv` and calls the model through an OpenAI client pointed at the gateway (in-process over
+  an ASGI transport, or over HTTP), so its tokens land in the session's token log exactly like
+  any other agent's.
+- `command` (black-box): an unmodified program runs in a fresh sandbox whose only way out is
+  the gateway, with `OPENAI_BASE_URL` and a per-session `OPENAI_API_KEY`. It reads its task from
+  `task.txt` (and argv `{task}` placeholders) and leaves its final answer in `answer.txt`; the
+  env's own verifier scores that answer (it is stepped as the env's final message).
 
-Both end the same way: the reward is attached to the session, the session is closed and its
+Both end the same way: the reward is attached to the session, the session is closed, and its
 Trajectory (status `ok` / `aborted` / `error` with a reason) is what the trainer sees. A failing
-agent, a broken tool call or an over-long context is data, never an exception out of a rollout.
+agent, a broken tool call or an over-long context is data, never an exception out of `rollout`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import gymnasium as gym
 import openai
 
+import envs  # noqa: F401  (registers the loongsage/ envs)
+from envs import EnvError
+from gateway.server import Gateway
+from gateway.trajectory import Trajectory
+from sandbox import SandboxConfig, open_sandbox
+
+log = logging.getLogger("loongsage.agentflow")
+
+
+@dataclass
+class AgentConfig:
+    kind: Literal["tool_loop", "command"] = "tool_loop"
+    """`tool_loop`: the built-in white-box agent steps the env; `command`: a black-box program
+    runs in a sandbox and the env's verifier scores its `answer.txt`."""
+    max_turns: int = 6
+    """Most model calls in one white-box episode."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts (the trainer scales its logits by the same value)."""
+    max_tokens: int = 256
+    """Most tokens per model call."""
+    command: list[str] = field(default_factory=list)
+    """Black-box: the command to run in the sandbox, e.g. [python3, agent.py]."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Black-box: sandbox path -> host file to copy in (e.g. {agent.py: examples/agents/openai_tool_agent.py})."""
+    timeout_s: float = 300.0
+    """Black-box: wall-time limit of one agent run."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Black-box: the sandbox each rollout runs in (a fresh one per rollout)."""
+
 
 @dataclass
 class Episode:
-    """What a white-box episode produced, before the gateway's token log is attached."""
+    """What an episode produced, before the gateway's token log is attached."""
 
     reward: float = 0.0
-    status: str = "ok"
+    status: Literal["ok", "aborted", "error"] = "ok"
     reason: str = ""
     turns: int = 0
     info: dict[str, Any] = field(default_factory=dict)
-    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+class AgentFlow:
+    """Runs rollouts of `env_id` through `gateway` with the agent `cfg` describes."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        env_id: str,
+        env_kwargs: dict[str, Any] | None = None,
+        cfg: AgentConfig | None = None,
+        *,
+        gateway_socket: str | None = None,
+    ) -> None:
+        self.gateway = gateway
+        self.env_id = env_id
+        self.env_kwargs = dict(env_kwargs or {})
+        self.cfg = cfg or AgentConfig()
+        self.gateway_socket = gateway_socket
+        if self.cfg.kind == "command" and not self.cfg.command:
+            raise ValueError(
+                "agent.command: kind=command needs the command to run, e.g. [python3, agent.py]"
+            )
+        if self.cfg.kind == "command" and gateway_socket is None:
+            raise ValueError(
+                "kind=command needs the gateway's Unix socket (gateway uds) to bind into the sandbox"
+            )
+
+    async def rollout(
+        self,
+        *,
+        seed: int | None = None,
+        options: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Trajectory:
+        """Run one episode in a fresh session and return its closed Trajectory."""
+        meta = {"env_id": self.env_id, "seed": seed, **(options or {}), **(metadata or {})}
+        session_id, api_key = self.gateway.create_session(meta)
+        env = gym.make(self.env_id, **self.env_kwargs)
+        try:
+            if self.cfg.kind == "tool_loop":
+                episode = await run_tool_episode(
+                    self.gateway.openai_client(api_key, max_retries=8),
+                    self.gateway.model_name,
+                    env,
+                    seed=seed,
+                    options=options,
+                    max_turns=self.cfg.max_turns,
+                    temperature=self.cfg.temperature,
+                    max_tokens=self.cfg.max_tokens,
+                )
+            else:
+                episode = await self._run_command(env, session_id, api_key, seed, options)
+        except EnvError as e:
+            episode = Episode(status="error", reason=f"env failed: {e}")
+        except Exception as e:  # a bug in an agent or env must not take the run down
+            log.exception("rollout %s failed", session_id)
+            episode = Episode(status="error", reason=f"{type(e).__name__}: {e}")
+        finally:
+            await asyncio.to_thread(env.close)
+        self.gateway.attach_reward(
+            session_id, episode.reward, {"turns": episode.turns, **_jsonable(episode.info)}
+        )
+        return await self.gateway.close_session(session_id, episode.status, episode.reason)
+
+    async def _run_command(
+        self,
+        env: gym.Env,
+        session_id: str,
+        api_key: str,
+        seed: int | None,
+        options: dict[str, Any] | None,
+    ) -> Episode:
+        task, _ = await asyncio.to_thread(env.reset, seed=seed, options=options)
+        files: dict[str, str | bytes] = {"task.txt": task}
+        for inside, host in self.cfg.files.items():
+            with open(host, "rb") as f:
+                files[inside] = f.read()
+        sb_cfg = dataclasses.replace(self.cfg.sandbox, gateway_socket=self.gateway_socket)
+        command = [part.replace("{task}", task) for part in self.cfg.command]
+
+        def run() -> tuple[Any, bytes | None]:
+            with open_sandbox(sb_cfg) as sb:
+                sb.put_files(files)
+                result = sb.run(
+                    command, timeout_s=self.cfg.timeout_s, env={"OPENAI_API_KEY": api_key}
+                )
+                answer = sb.get_files(["answer.txt"]).get("answer.txt") if result.ok else None
+                return result, answer
+
+        result, answer = await asyncio.to_thread(run)
+        logs = {"stdout_tail": result.stdout[-2000:], "stderr_tail": result.stderr[-2000:]}
+        if not result.ok:
+            return Episode(status="aborted", reason=f"{result.status}: {result.reason}", info=logs)
+        if answer is None:
+            return Episode(status="aborted", reason="the agent wrote no answer.txt", info=logs)
+        _, reward, _, _, info = await asyncio.to_thread(env.step, answer.decode(errors="replace"))
+        return Episode(reward=float(reward), info={**info, **logs})
 
 
 async def run_tool_episode(
@@ -41,23 +172,18 @@ async def run_tool_episode(
     *,
     seed: int | None = None,
     options: dict[str, Any] | None = None,
-    max_turns: int = 8,
+    max_turns: int = 6,
     temperature: float = 1.0,
     max_tokens: int = 256,
 ) -> Episode:
-    """Run one episode of `env` with the model behind `client`.
-
-    The env contract (envs/base.py): `reset` gives the task text and `info["tools"]`,
-    `info["system"]`; `step` takes the assistant message as JSON and returns tool results in
-    `info["tool_messages"]`, or terminates with the reward on a final answer.
-    """
+    """Run one episode of `env` with the model behind `client` (envs/base.py has the contract)."""
     obs, info = await asyncio.to_thread(env.reset, seed=seed, options=options)
     messages: list[dict[str, Any]] = []
     if info.get("system"):
         messages.append({"role": "system", "content": info["system"]})
     messages.append({"role": "user", "content": obs})
-    tools = info.get("tools") or None
-    episode = Episode(messages=messages)
+    tools = info.get("tools") or openai.NOT_GIVEN
+    episode = Episode()
     for _ in range(max_turns):
         try:
             response = await client.chat.completions.create(
@@ -68,8 +194,8 @@ async def run_tool_episode(
                 max_tokens=max_tokens,
             )
         except openai.BadRequestError as e:
-            # The history outgrew the context window: the episode ends here, scored as it is.
-            episode.reason = f"context: {_error_message(e)}"
+            # Typically the history outgrew the context window: the episode ends, scored 0.
+            episode.reason = f"stopped: {e.message}"
             return episode
         message = response.choices[0].message
         assistant = message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True)
@@ -82,14 +208,12 @@ async def run_tool_episode(
         episode.info = {k: v for k, v in info.items() if k != "tool_messages"}
         if terminated or truncated:
             if truncated:
-                episode.reason = "env truncated the episode"
+                episode.reason = f"truncated: {info.get('reason', '')}"
             return episode
-        tool_messages = info.get("tool_messages")
-        messages.extend(tool_messages or [{"role": "user", "content": obs}])
+        messages.extend(info.get("tool_messages") or [{"role": "user", "content": obs}])
     episode.reason = f"max_turns={max_turns} reached without a final answer"
     return episode
 
 
-def _error_message(e: openai.APIStatusError) -> str:
-    body = e.body if isinstance(e.body, dict) else {}
-    return str(body.get("message") or e.message)
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(info, default=str))

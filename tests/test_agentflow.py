@@ -1,0 +1,108 @@
+"""AgentFlow rollouts end to end: the real local engine (tiny model) behind an in-process gateway."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import pytest
+
+from envs import EnvError
+from gateway.engines.local import LocalEngine
+from gateway.server import Gateway, GatewayConfig
+from sandbox import SandboxConfig
+from trainer.agentflow import AgentConfig, AgentFlow
+
+
+@pytest.fixture
+async def gateway(tiny_model_path):
+    engine = LocalEngine(tiny_model_path, max_batch_size=8)
+    gw = Gateway(engine, tiny_model_path, GatewayConfig(auth="keys"))
+    yield gw
+    await gw.aclose()
+    await engine.close()
+
+
+def assert_token_exact(traj):
+    assert traj.turns and len(traj.segments) == 1 and traj.forks == 0
+    seg = traj.segments[0]
+    sampled = [t for t, m in zip(seg.token_ids, seg.loss_mask, strict=True) if m]
+    assert sampled == [t for turn in traj.turns for t in turn.output_ids]
+
+
+async def test_white_box_rollout_is_one_token_exact_trajectory(gateway):
+    flow = AgentFlow(gateway, "loongsage/Calc-v0", {"difficulty": 0}, AgentConfig(max_tokens=16))
+    traj = await flow.rollout(seed=3, metadata={"group": 7})
+    assert traj.status == "ok", traj.reason
+    assert traj.reward == 0.0  # random weights never answer right
+    assert traj.metadata["group"] == 7 and traj.metadata["env_id"] == "loongsage/Calc-v0"
+    assert traj.info["turns"] == len(traj.turns) >= 1
+    assert_token_exact(traj)
+    assert all(v == gateway.weight_version for t in traj.turns for v in t.output_versions)
+
+
+class BrokenEnv(gym.Env):
+    def reset(self, *, seed=None, options=None):
+        raise EnvError("the sandbox of this env could not start")
+
+
+async def test_env_failure_is_an_error_trajectory_not_a_crash(gateway):
+    gym.register("test/Broken-v0", entry_point=BrokenEnv, disable_env_checker=True)
+    traj = await AgentFlow(gateway, "test/Broken-v0").rollout(seed=0)
+    assert traj.status == "error" and "could not start" in traj.reason
+    assert traj.reward == 0.0 and traj.turns == []
+
+
+def test_command_agent_needs_a_command_and_a_socket(gateway):
+    with pytest.raises(ValueError, match="agent.command"):
+        AgentFlow(gateway, "loongsage/Calc-v0", cfg=AgentConfig(kind="command"))
+    with pytest.raises(ValueError, match="Unix socket"):
+        AgentFlow(gateway, "loongsage/Calc-v0", cfg=AgentConfig(kind="command", command=["true"]))
+
+
+@pytest.mark.parametrize(
+    ("command", "status", "reason"),
+    [
+        (["python3", "-c", "open('answer.txt', 'w').write('Answer: 0')"], "ok", ""),
+        (["python3", "-c", "import sys; sys.exit(3)"], "aborted", "error"),
+        (["python3", "-c", "import time; time.sleep(60)"], "aborted", "timeout"),
+        (["python3", "-c", "print('no answer')"], "aborted", "no answer.txt"),
+    ],
+)
+async def test_black_box_rollout_outcomes(gateway, tmp_path, command, status, reason):
+    server = await gateway.start_http(port=0, uds=str(tmp_path / "gw.sock"))
+    try:
+        cfg = AgentConfig(
+            kind="command", command=command, timeout_s=5, sandbox=SandboxConfig(kind="local")
+        )
+        flow = AgentFlow(
+            gateway, "loongsage/Calc-v0", cfg=cfg, gateway_socket=str(tmp_path / "gw.sock")
+        )
+        traj = await flow.rollout(seed=1)
+    finally:
+        await server.stop()
+    assert traj.status == status and reason in traj.reason
+    assert traj.reward in (0.0, 1.0)
+
+
+async def test_unmodified_openai_agent_in_a_sandbox_is_trained_on(gateway, tmp_path):
+    """The example agent knows nothing of LoongSage; its calls land in its session's token log."""
+    import sys
+
+    sock = str(tmp_path / "gw.sock")
+    server = await gateway.start_http(port=0, uds=sock)
+    try:
+        cfg = AgentConfig(
+            kind="command",
+            command=[sys.executable, "agent.py"],
+            files={"agent.py": "examples/agents/openai_tool_agent.py"},
+            timeout_s=120,
+            sandbox=SandboxConfig(kind="local"),
+        )
+        traj = await AgentFlow(gateway, "loongsage/Calc-v0", cfg=cfg, gateway_socket=sock).rollout(
+            seed=2
+        )
+    finally:
+        await server.stop()
+    assert traj.status == "ok", (traj.reason, traj.info)
+    assert traj.turns, "the agent's model calls must be in its trajectory"
+    for seg in traj.segments:
+        assert len(seg.token_ids) == len(seg.loss_mask) == len(seg.versions)
