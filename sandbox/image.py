@@ -54,6 +54,22 @@ def image_exists(tag: str = DEFAULT_IMAGE) -> bool:
     return True
 
 
+def docker_unavailable(tag: str = DEFAULT_IMAGE) -> str:
+    """'' when the Docker engine answers and has image `tag`; otherwise why not, with the fix."""
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+    except Exception as e:  # noqa: BLE001 - any failure to reach the engine reads the same
+        return f"no Docker engine ({e}); run scripts/test_services.sh or start dockerd"
+    try:
+        client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        return f"no sandbox image {tag}; run `python -m sandbox.image build`"
+    return ""
+
+
 def apt_mirror() -> str:
     """The Debian mirror apt is configured with (deb822 `URIs:` or one-line `deb URL ...`)."""
     sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]

@@ -25,22 +25,9 @@ import pytest
 
 from gateway.config import parse_cli
 from sandbox import SandboxConfig, SandboxError, open_sandbox
-from sandbox.image import DEFAULT_IMAGE
+from sandbox.image import docker_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def docker_ready() -> str:
-    """'' when the Docker engine and the sandbox image are there, else why not."""
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-        client.images.get(DEFAULT_IMAGE)
-    except Exception as e:  # noqa: BLE001 - any failure means: skip, with the reason
-        return f"docker sandbox unavailable ({e}); run scripts/test_services.sh"
-    return ""
 
 
 BACKENDS = [
@@ -56,7 +43,7 @@ ISOLATED = [p for p in BACKENDS if p.values[0] != "process"]
 
 def make_cfg(backend: str, **kw) -> SandboxConfig:
     if backend == "docker":
-        why = docker_ready()
+        why = docker_unavailable()
         if why:
             pytest.skip(why)
         return SandboxConfig(kind="docker", **kw)
