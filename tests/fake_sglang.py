@@ -117,6 +117,8 @@ class FakeState:
     released: set[str] = field(default_factory=set)
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: int = 0
+    generated_tokens: int = 0
+    """Every token sampled, for benchmarks that check none is lost or duplicated downstream."""
 
 
 def validate_sampling(raw: Any, prompt_len: int, config: FakeConfig) -> dict[str, Any]:
@@ -249,6 +251,7 @@ class FakeSGLang:
                 lp = token_logprob(h, token)
                 h = step(h, token)
                 out_ids.append(token)
+                state.generated_tokens += 1
                 running.waiting = False
                 if token == cfg.eos_token_id and not params["ignore_eos"]:
                     finish = {"type": "stop", "matched": token}
@@ -522,6 +525,7 @@ def build_app(config: FakeConfig) -> Starlette:
                 "paused": state.paused,
                 "released_memory": sorted(state.released),
                 "num_requests": state.requests,
+                "generated_tokens": state.generated_tokens,
                 "version": "fake",
             }
         )

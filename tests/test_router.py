@@ -167,21 +167,21 @@ async def test_failover_moves_a_session_when_its_engine_dies():
 
 
 async def test_failure_after_first_token_is_raised_not_replayed():
-    port = free_port()
-    with serve_fake(*FAKE_ARGS, port=port) as url0, serve_fake(*FAKE_ARGS) as url1:
-        router = await make_router([url0, url1])
-        try:
-            await router.generate(PROMPT, SHORT, session_id="x")
-            dying = router.engines[router.engine_for("x")]
-            stream = router.stream(PROMPT, LONG, session_id="x")
-            await stream.__anext__()
-            # Break its connection mid-stream: the engine's client is closed under it.
-            await dying.close()
-            with pytest.raises(EngineError):
-                async for _ in stream:
-                    pass
-        finally:
-            await router.close()
+    servers = [contextlib.ExitStack(), contextlib.ExitStack()]
+    urls = [stack.enter_context(serve_fake(*FAKE_ARGS)) for stack in servers]
+    router = await make_router(urls)
+    try:
+        await router.generate(PROMPT, SHORT, session_id="x")
+        stream = router.stream(PROMPT, LONG, session_id="x")
+        await stream.__anext__()
+        servers[router.engine_for("x")].close()  # its server dies mid-stream
+        with pytest.raises(EngineError):
+            async for _ in stream:
+                pass
+    finally:
+        await router.close()
+        for stack in servers:
+            stack.close()
 
 
 async def test_abort_reaches_the_engine_running_the_request(urls):

@@ -31,6 +31,7 @@ plain HTTP. The other weight routes (`/update_weights_from_tensor`, `/init_weigh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import uuid
@@ -189,6 +190,7 @@ class SGLangEngine:
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
         )
+        self._pool = _Pool(self.url, timeout_s, max_connections)
         self._max_context = max_context
         self._weight_version = 0
         self._connected = False
@@ -251,28 +253,27 @@ class SGLangEngine:
         self._inflight.add(rid)
         seen = 0
         try:
-            async with self._client.stream(
-                "POST", "/generate", content=orjson.dumps(body), headers=_JSON
-            ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    self._raise_for_status(response, "/generate")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+            async with self._pool.post("/generate", orjson.dumps(body)) as response:
+                if response.status != 200:
+                    self._raise_for(response.status, await response.read(), "/generate")
+                finished = False
+                # Read to the end of the body (`[DONE]` and the last chunk come after the
+                # finishing event) so that the connection can be reused.
+                async for line in response.lines():
+                    if finished or not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = _parse_event(data)
-                    chunk = self._chunk(event, seen, started=seen > 0)
+                    if data == b"[DONE]":
+                        continue
+                    chunk = self._chunk(_parse_event(data), seen, started=seen > 0)
                     if chunk is None:
                         continue
                     seen += len(chunk.token_ids)
+                    finished = chunk.finish_reason is not None
                     yield chunk
-                    if chunk.finish_reason is not None:
-                        return
-            raise EngineError(f"{self!r}: stream for {rid} ended without a finish_reason")
-        except httpx.HTTPError as exc:
+            if not finished:
+                raise EngineError(f"{self!r}: stream for {rid} ended without a finish_reason")
+        except (OSError, EOFError, TimeoutError) as exc:
             raise EngineError(f"{self!r}: /generate failed: {exc!r}") from exc
         finally:
             self._inflight.discard(rid)
@@ -288,7 +289,7 @@ class SGLangEngine:
         body = self._generate_body(input_ids, params, request_id, stream=False)
         self._inflight.add(body["rid"])
         try:
-            raw = await self._post_raw("/generate", body)
+            raw = await self._generate_raw(body)
         finally:
             self._inflight.discard(body["rid"])
         chunk = self._chunk(_parse_event(raw), 0, started=False)
@@ -327,7 +328,7 @@ class SGLangEngine:
             "logprob_start_len": start - 1,
             "rid": uuid.uuid4().hex,
         }
-        meta = _parse_event(await self._post_raw("/generate", body)).meta_info
+        meta = _parse_event(await self._generate_raw(body)).meta_info
         entries = (meta.input_token_logprobs if meta else None) or []
         want = len(ids) - start
         tail = entries[-want:] if len(entries) >= want else None
@@ -363,6 +364,7 @@ class SGLangEngine:
         return await self._request("GET", "/get_model_info")
 
     async def close(self) -> None:
+        self._pool.close()
         await self._client.aclose()
 
     # -- weights -------------------------------------------------------------------------------
@@ -561,6 +563,16 @@ class SGLangEngine:
         if version is not None:
             self._weight_version = version
 
+    async def _generate_raw(self, body: dict[str, Any]) -> bytes:
+        try:
+            async with self._pool.post("/generate", orjson.dumps(body)) as response:
+                data = await response.read()
+        except (OSError, EOFError, TimeoutError) as exc:
+            raise EngineError(f"{self!r}: /generate failed: {exc!r}") from exc
+        if response.status != 200:
+            self._raise_for(response.status, data, "/generate")
+        return data
+
     async def _post_raw(self, path: str, body: dict[str, Any], allow_400: bool = False) -> bytes:
         try:
             response = await self._client.post(path, content=orjson.dumps(body), headers=_JSON)
@@ -591,13 +603,141 @@ class SGLangEngine:
         return data if isinstance(data, dict) else {"data": data}
 
     def _raise_for_status(self, response: httpx.Response, path: str) -> None:
-        message = _error_message(response)
-        if response.status_code == 400:
+        self._raise_for(response.status_code, response.content, path)
+
+    def _raise_for(self, status: int, content: bytes, path: str) -> None:
+        message = _error_message(content)
+        if status == 400:
             raise ValueError(f"SGLang rejected {path}: {message}")
-        raise EngineError(f"{self!r}: {path} returned HTTP {response.status_code}: {message}")
+        raise EngineError(f"{self!r}: {path} returned HTTP {status}: {message}")
 
 
 _JSON = {"content-type": "application/json"}
+
+
+class _Pool:
+    """Keep-alive HTTP/1.1 connections to one server, for `/generate` only: the hot path, where
+    httpx's per-request cost (milliseconds on a busy 2-core machine) would be most of the
+    gateway's overhead. Control routes use httpx. A response's body is framed by
+    Content-Length or chunked encoding (uvicorn streams SSE chunked); a connection goes back to
+    the pool only after its response was read to the end, and is closed otherwise (which is
+    also how SGLang learns that an abandoned stream should be aborted)."""
+
+    def __init__(self, url: str, timeout_s: float, max_connections: int) -> None:
+        parsed = httpx.URL(url)
+        self.host = parsed.host
+        self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        self.ssl = parsed.scheme == "https"
+        self.prefix = parsed.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._busy: set[asyncio.StreamWriter] = set()
+        self._slots = asyncio.Semaphore(max_connections)
+
+    def close(self) -> None:
+        """Close every connection, including those of requests still running (they fail)."""
+        for _, writer in self._idle:
+            writer.close()
+        for writer in self._busy:
+            writer.close()
+        self._idle.clear()
+
+    @contextlib.asynccontextmanager
+    async def post(self, path: str, body: bytes) -> AsyncIterator[_Response]:
+        head = (
+            f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        async with self._slots:
+            response = await self._send(head + body)
+            self._busy.add(response.writer)
+            try:
+                yield response
+            finally:
+                self._busy.discard(response.writer)
+                if response.done and response.keep_alive and not response.writer.is_closing():
+                    self._idle.append((response.reader, response.writer))
+                else:
+                    response.writer.close()
+
+    async def _send(self, request: bytes) -> _Response:
+        while True:
+            reused = bool(self._idle)
+            if reused:
+                reader, writer = self._idle.pop()
+            else:
+                async with asyncio.timeout(min(self.timeout_s, 10.0)):
+                    reader, writer = await asyncio.open_connection(
+                        self.host, self.port, ssl=self.ssl or None
+                    )
+            try:
+                writer.write(request)
+                async with asyncio.timeout(self.timeout_s):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                return _Response(reader, writer, head, self.timeout_s)
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                writer.close()
+                # The server may close an idle keep-alive connection just as we reuse it:
+                # retry on a fresh one. A fresh connection failing is a real failure.
+                if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                    raise
+
+
+class _Response:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        head: bytes,
+        timeout_s: float,
+    ) -> None:
+        self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise OSError(f"not an HTTP/1.1 response: {lines[0]!r}")
+        self.status = int(parts[1])
+        fields: dict[str, str] = {}
+        for line in lines[1:]:
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip().lower()] = value.strip()
+        self.chunked = "chunked" in fields.get("transfer-encoding", "").lower()
+        self.length = int(fields.get("content-length", "0"))
+        self.keep_alive = fields.get("connection", "").lower() != "close"
+        self.done = False
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The body as it arrives."""
+        async with asyncio.timeout(None) as deadline:
+            if not self.chunked:
+                deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
+                data = await self.reader.readexactly(self.length)
+                self.done = True
+                yield data
+                return
+            while True:
+                deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await self.reader.readuntil(b"\r\n")
+                    self.done = True
+                    return
+                data = await self.reader.readexactly(size + 2)
+                yield data[:-2]
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.pieces()])
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        buffer = b""
+        async for piece in self.pieces():
+            buffer += piece
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                yield line
+        if buffer:
+            yield buffer
 
 
 def _parse_event(data: str | bytes) -> GenerateResponse:
@@ -615,12 +755,12 @@ def _max_model_len(models: dict[str, Any]) -> int:
     return value
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(content: bytes) -> str:
     """SGLang's error bodies: `{"error": {"message"}}`, `{"message"}` or plain text."""
     try:
-        data = response.json()
-    except ValueError:
-        return response.text.strip()[:500]
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode(errors="replace").strip()[:500]
     if isinstance(data, dict):
         if isinstance(data.get("error"), dict):
             return str(data["error"].get("message", data))

@@ -1,0 +1,523 @@
+"""Gateway benchmark: added latency and throughput of the LoongSage gateway versus calling the
+engine directly, side by side with LiteLLM's proxy versus its upstream, in one run; then a load
+test of 64 concurrent sessions x 10 turns that checks every generated token is logged once.
+
+Four servers, all on this machine:
+- the fake SGLang server (`tests/fake_sglang.py`), a hash instead of a model: the "engine";
+- the gateway, `python -m gateway.serve engine.kind=sglang engine.urls=[fake SGLang]`;
+- a fake OpenAI upstream (`bench/gateway/fake_openai.py`), equally cheap (same Starlette +
+  uvicorn + orjson stack, no model);
+- LiteLLM's proxy (`litellm --config ...`) in front of the fake upstream, with every callback,
+  telemetry and spend log off (there is no outside network).
+
+For each concurrency (1, 16, 64) and mode (non-streaming, streaming), each target gets the same
+chat request (16 output tokens) back to back for `--duration` seconds from a light HTTP/1.1
+client (`loadgen.py`). Gateway requests use a fresh session id (open mode API key) each, like
+one rollout per session; the direct engine call sends the very prompt ids the gateway renders.
+Added latency = p50 through the proxy - p50 direct; throughput ratio = gateway req/s over
+LiteLLM req/s at the same concurrency.
+
+Run: `.venv/bin/python bench/gateway/run.py` (needs the `bench` extra: `pip install -e '.[bench]'`;
+`--skip-litellm` runs without it). Numbers depend on the machine and its load: every server and
+the client share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(ROOT / "tests")]
+
+from fake_sglang import free_port  # noqa: E402
+from loadgen import Connection, Result, run_load  # noqa: E402
+
+MODEL = "tiny-random"
+LITELLM_KEY = "sk-loongsage-bench-" + "0" * 32
+MESSAGES = [{"role": "user", "content": "Write one short sentence about the sea."}]
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+@contextlib.contextmanager
+def process(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Iterator[None]:
+    log = open(tempfile.gettempdir() + f"/loongsage-bench-{name}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def wait_http(name: str, url: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    log = Path(tempfile.gettempdir()) / f"loongsage-bench-{name}.log"
+    raise RuntimeError(f"{name} did not come up at {url}; log: {log.read_text()[-2000:]}")
+
+
+def litellm_config(upstream_port: int, folder: str) -> str:
+    path = os.path.join(folder, "litellm.yaml")
+    with open(path, "w") as f:
+        f.write(
+            f"""model_list:
+  - model_name: {MODEL}
+    litellm_params:
+      model: openai/{MODEL}
+      api_base: http://127.0.0.1:{upstream_port}/v1
+      api_key: fake-upstream-key
+litellm_settings:
+  telemetry: false
+  success_callback: []
+  failure_callback: []
+  callbacks: []
+  turn_off_message_logging: true
+general_settings:
+  master_key: {LITELLM_KEY}
+  disable_spend_logs: true
+"""
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+def chat_body(stream: bool, max_tokens: int, messages: list[dict] | None = None) -> bytes:
+    body: dict = {
+        "model": MODEL,
+        "messages": messages or MESSAGES,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+def check_chat(stream: bool):
+    def check(status: int, data: bytes) -> str | None:
+        if status != 200:
+            return f"HTTP {status}: {data[:200]!r}"
+        if stream and not data.endswith(b"data: [DONE]\n\n"):
+            return f"stream did not end with [DONE]: {data[-200:]!r}"
+        if not stream and b'"choices"' not in data:
+            return f"no choices: {data[:200]!r}"
+        return None
+
+    return check
+
+
+def check_generate(stream: bool):
+    def check(status: int, data: bytes) -> str | None:
+        if status != 200:
+            return f"HTTP {status}: {data[:200]!r}"
+        if stream and not data.endswith(b"data: [DONE]\n\n"):
+            return "stream did not end with [DONE]"
+        if b'"finish_reason":{' not in data:
+            return f"no finish_reason: {data[-200:]!r}"
+        return None
+
+    return check
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+async def one_request(port: int, path: str, body: bytes | None, key: str) -> dict:
+    conn = Connection("127.0.0.1", port)
+    try:
+        method = "POST" if body is not None else "GET"
+        status, _, data = await conn.request(
+            method, path, body or b"", {**JSON, "Authorization": f"Bearer {key}"}
+        )
+    finally:
+        await conn.close()
+    if status != 200:
+        raise RuntimeError(f"{path}: HTTP {status}: {data[:300]!r}")
+    return orjson.loads(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput and latency
+
+
+async def measure(args, ports: dict[str, int], prompt_ids: list[int]) -> list[dict]:
+    rows = []
+    run_id = int(time.time())
+    for stream in (False, True):
+        for c in args.concurrency:
+            targets: dict[str, tuple] = {
+                "sglang direct": (
+                    ports["sglang"],
+                    lambda w, n, s=stream: (
+                        "POST",
+                        "/generate",
+                        orjson.dumps(
+                            {
+                                "input_ids": prompt_ids,
+                                "sampling_params": {
+                                    "max_new_tokens": args.max_tokens,
+                                    "temperature": 0,
+                                },
+                                "return_logprob": True,
+                                "stream": s,
+                            }
+                        ),
+                        JSON,
+                    ),
+                    check_generate(stream),
+                ),
+                "gateway": (
+                    ports["gateway"],
+                    lambda w, n, s=stream, c=c: (
+                        "POST",
+                        "/v1/chat/completions",
+                        chat_body(s, args.max_tokens),
+                        {**JSON, "Authorization": f"Bearer b{run_id}-{int(s)}-{c}-{w}-{n}"},
+                    ),
+                    check_chat(stream),
+                ),
+            }
+            if "litellm" in ports:
+                targets["openai direct"] = (
+                    ports["openai"],
+                    lambda w, n, s=stream: (
+                        "POST",
+                        "/v1/chat/completions",
+                        chat_body(s, args.max_tokens),
+                        {**JSON, "Authorization": "Bearer fake-upstream-key"},
+                    ),
+                    check_chat(stream),
+                )
+                targets["litellm"] = (
+                    ports["litellm"],
+                    lambda w, n, s=stream: (
+                        "POST",
+                        "/v1/chat/completions",
+                        chat_body(s, args.max_tokens),
+                        {**JSON, "Authorization": f"Bearer {LITELLM_KEY}"},
+                    ),
+                    check_chat(stream),
+                )
+            for name, (port, make, check) in targets.items():
+                result = await run_load("127.0.0.1", port, make, check, c, args.duration)
+                rows.append(row(name, stream, c, result))
+                print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def row(name: str, stream: bool, c: int, r: Result) -> dict:
+    return {
+        "target": name,
+        "stream": stream,
+        "concurrency": c,
+        "requests": len(r.latencies),
+        "errors": r.errors,
+        "error_samples": r.error_samples,
+        "rps": r.rps,
+        "p50_ms": r.pct(0.5) * 1e3,
+        "p99_ms": r.pct(0.99) * 1e3,
+        "ttfb_p50_ms": r.pct(0.5, "first_bytes") * 1e3,
+    }
+
+
+def format_row(r: dict) -> str:
+    mode = "stream" if r["stream"] else "plain"
+    text = (
+        f"{r['target']:<14} {mode:<6} c={r['concurrency']:<3} {r['rps']:>8.0f} req/s  "
+        f"p50 {r['p50_ms']:>7.2f} ms  p99 {r['p99_ms']:>7.2f} ms  "
+        f"ttfb p50 {r['ttfb_p50_ms']:>7.2f} ms  n={r['requests']:<6} errors={r['errors']}"
+    )
+    if r["error_samples"]:
+        text += f"  e.g. {r['error_samples'][0]}"
+    return text
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    by = {(r["target"], r["stream"], r["concurrency"]): r for r in rows}
+    lines = [
+        "mode    conc | gateway added p50 | litellm added p50 | gateway req/s | litellm req/s "
+        "| gateway/litellm req/s | gateway/direct req/s",
+        "-" * 128,
+    ]
+    for stream in (False, True):
+        for c in sorted({r["concurrency"] for r in rows}):
+            gw, direct = by.get(("gateway", stream, c)), by.get(("sglang direct", stream, c))
+            ll, up = by.get(("litellm", stream, c)), by.get(("openai direct", stream, c))
+            if not (gw and direct):
+                continue
+            gw_added = gw["p50_ms"] - direct["p50_ms"]
+            ll_added = f"{ll['p50_ms'] - up['p50_ms']:>12.2f} ms" if ll and up else f"{'-':>15}"
+            ll_rps = f"{ll['rps']:>13.0f}" if ll else f"{'-':>13}"
+            ratio = f"{gw['rps'] / ll['rps']:>20.1f}x" if ll and ll["rps"] else f"{'-':>21}"
+            lines.append(
+                f"{'stream' if stream else 'plain':<7} {c:>4} | {gw_added:>14.2f} ms | "
+                f"{ll_added:>17} | {gw['rps']:>13.0f} | {ll_rps} | {ratio} | "
+                f"{gw['rps'] / direct['rps']:>19.2f}x"
+            )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Load test: 64 sessions x 10 turns, every token logged exactly once
+
+
+async def load_test(args, ports: dict[str, int]) -> dict:
+    gw, engine = ports["gateway"], ports["sglang"]
+    before = (await one_request(engine, "/get_server_info", None, "-"))["generated_tokens"]
+    run_id = int(time.time())
+    latencies: list[float] = []
+    errors: list[str] = []
+    usage_tokens: dict[str, int] = {}
+
+    async def session(i: int) -> None:
+        key = f"load-{run_id}-{i}"
+        conn = Connection("127.0.0.1", gw)
+        messages: list[dict] = []
+        usage_tokens[key] = 0
+        try:
+            for turn in range(args.turns):
+                messages.append({"role": "user", "content": f"Turn {turn}: go on, session {i}."})
+                stream = turn % 2 == 1  # alternate, so both paths are in the log
+                start = time.perf_counter()
+                status, _, data = await conn.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    chat_body(stream, args.max_tokens, messages),
+                    {**JSON, "Authorization": f"Bearer {key}"},
+                )
+                if status != 200:
+                    errors.append(f"{key} turn {turn}: HTTP {status} {data[:200]!r}")
+                    return
+                latencies.append(time.perf_counter() - start)
+                content, tokens = read_chat(data, stream)
+                usage_tokens[key] += tokens
+                messages.append({"role": "assistant", "content": content})
+        except Exception as exc:  # a broken session is an error to report, not a crash
+            errors.append(f"{key}: {exc!r}")
+        finally:
+            await conn.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(session(i) for i in range(args.sessions)))
+    wall = time.perf_counter() - started
+    after = (await one_request(engine, "/get_server_info", None, "-"))["generated_tokens"]
+
+    logged = 0
+    problems: list[str] = []
+    forks = 0
+    for key, tokens in usage_tokens.items():
+        traj = await one_request(gw, f"/sessions/{key}/trajectory", None, key)
+        outputs = [t for turn in traj["turns"] for t in turn["output_ids"]]
+        sampled = [
+            t
+            for seg in traj["segments"]
+            for t, m in zip(seg["token_ids"], seg["loss_mask"], strict=True)
+            if m == 1
+        ]
+        logged += len(outputs)
+        forks += traj.get("forks", 0)
+        if len(traj["turns"]) != args.turns:
+            problems.append(f"{key}: {len(traj['turns'])} turns logged")
+        if len(outputs) != tokens:
+            problems.append(f"{key}: usage says {tokens} tokens, turns hold {len(outputs)}")
+        if sorted(sampled) != sorted(outputs) or len(sampled) != len(outputs):
+            problems.append(f"{key}: segments' sampled tokens differ from the turns' outputs")
+    latencies.sort()
+    return {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "requests": len(latencies),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "engine_generated_tokens": after - before,
+        "logged_output_tokens": logged,
+        "usage_tokens": sum(usage_tokens.values()),
+        "segment_forks": forks,
+        "problems": problems[:5],
+        "wall_s": wall,
+        "p50_ms": latencies[len(latencies) // 2] * 1e3 if latencies else float("nan"),
+        "p99_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3
+        if latencies
+        else float("nan"),
+    }
+
+
+def read_chat(data: bytes, stream: bool) -> tuple[str, int]:
+    """(assistant content, completion tokens from usage) of a chat answer or SSE stream."""
+    if not stream:
+        answer = orjson.loads(data)
+        return answer["choices"][0]["message"]["content"] or "", answer["usage"][
+            "completion_tokens"
+        ]
+    content, tokens = [], None
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = orjson.loads(line[6:])
+        for choice in event.get("choices") or []:
+            content.append((choice.get("delta") or {}).get("content") or "")
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    if tokens is None:
+        raise ValueError("stream had no usage chunk")
+    return "".join(content), tokens
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--sessions", type=int, default=64, help="load test sessions")
+    parser.add_argument("--turns", type=int, default=10, help="load test turns per session")
+    parser.add_argument("--skip-litellm", action="store_true")
+    parser.add_argument("--skip-load-test", action="store_true")
+    parser.add_argument("--out", help="write all numbers as JSON here")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    use_litellm = not args.skip_litellm
+    litellm = shutil.which("litellm", path=str(Path(sys.executable).parent)) or shutil.which(
+        "litellm"
+    )
+    if use_litellm and litellm is None:
+        sys.exit("litellm is not installed: pip install -e '.[bench]' (or pass --skip-litellm)")
+
+    ports = {"sglang": free_port(), "gateway": free_port()}
+    if use_litellm:
+        ports |= {"openai": free_port(), "litellm": free_port()}
+    py = sys.executable
+    env = dict(os.environ)
+    # LiteLLM: local cost map (no download), no telemetry, no UI/docs; there is no network.
+    env |= {
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOG": "ERROR",
+        "NO_DOCS": "True",
+        "DISABLE_ADMIN_UI": "True",
+    }
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory())
+        stack.enter_context(
+            process(
+                "fake-sglang",
+                [py, "tests/fake_sglang.py", "--port", str(ports["sglang"])],
+            )
+        )
+        stack.enter_context(
+            process(
+                "gateway",
+                [
+                    py,
+                    "-m",
+                    "gateway.serve",
+                    "engine.kind=sglang",
+                    f"engine.urls=[http://127.0.0.1:{ports['sglang']}]",
+                    f"model={MODEL}",
+                    "auth=open",
+                    f"port={ports['gateway']}",
+                ],
+            )
+        )
+        if use_litellm:
+            stack.enter_context(
+                process(
+                    "fake-openai",
+                    [py, str(HERE / "fake_openai.py"), "--port", str(ports["openai"])],
+                )
+            )
+            stack.enter_context(
+                process(
+                    "litellm",
+                    [
+                        litellm,
+                        "--config",
+                        litellm_config(ports["openai"], folder),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(ports["litellm"]),
+                        "--num_workers",
+                        "1",
+                    ],
+                    env=env,
+                )
+            )
+        wait_http("fake-sglang", f"http://127.0.0.1:{ports['sglang']}/health")
+        wait_http("gateway", f"http://127.0.0.1:{ports['gateway']}/health")
+        if use_litellm:
+            wait_http("fake-openai", f"http://127.0.0.1:{ports['openai']}/health")
+            wait_http("litellm", f"http://127.0.0.1:{ports['litellm']}/health/liveliness")
+        print(f"servers up: {ports}", flush=True)
+        results = asyncio.run(run_all(args, ports))
+    print()
+    print("=== side by side (p50 added over the direct call; req/s ratios) ===")
+    for line in ratios(results["rows"]):
+        print(line)
+    if results.get("load"):
+        load = results["load"]
+        print()
+        print("=== load test: gateway, concurrent sessions x turns ===")
+        print(
+            f"{load['sessions']} sessions x {load['turns']} turns: {load['requests']} requests, "
+            f"{load['errors']} errors, p50 {load['p50_ms']:.2f} ms, p99 {load['p99_ms']:.2f} ms, "
+            f"{load['wall_s']:.1f} s"
+        )
+        print(
+            f"tokens: engine generated {load['engine_generated_tokens']}, trajectories hold "
+            f"{load['logged_output_tokens']}, usage reported {load['usage_tokens']}; "
+            f"segment forks {load['segment_forks']}; problems: {load['problems'] or 'none'}"
+        )
+        if load["error_samples"]:
+            print("errors, e.g.:", load["error_samples"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+async def run_all(args, ports: dict[str, int]) -> dict:
+    # The exact prompt ids the gateway renders for MESSAGES, for the direct engine calls.
+    probe = f"probe-{int(time.time())}"
+    await one_request(ports["gateway"], "/v1/chat/completions", chat_body(False, 1), probe)
+    traj = await one_request(ports["gateway"], f"/sessions/{probe}/trajectory", None, probe)
+    prompt_ids = traj["turns"][0]["prompt_ids"]
+    rows = await measure(args, ports, prompt_ids)
+    load = None if args.skip_load_test else await load_test(args, ports)
+    return {"rows": rows, "load": load, "prompt_tokens": len(prompt_ids)}
+
+
+if __name__ == "__main__":
+    main()
