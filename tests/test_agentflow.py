@@ -106,3 +106,23 @@ async def test_unmodified_openai_agent_in_a_sandbox_is_trained_on(gateway, tmp_p
     assert traj.turns, "the agent's model calls must be in its trajectory"
     for seg in traj.segments:
         assert len(seg.token_ids) == len(seg.loss_mask) == len(seg.versions)
+
+
+async def test_evaluate_plays_the_eval_split(gateway):
+    from envs.eval import evaluate
+
+    result = await evaluate(gateway, "loongsage/Calc-v0", n=3, max_tokens=8)
+    assert result.n == 3 and result.errors == 0
+    assert result.success_rate == 0.0 and result.mean_turns == 1.0
+    assert 0 < result.mean_tokens <= 8
+    assert gateway.sessions.num_open == 0
+
+
+def test_eval_cli_rejects_bad_input():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "envs.eval", "env=loongsage/Calk-v0"], capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "Did you mean: `Calc`" in out.stderr

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import gymnasium as gym
-import openai
 
 import envs  # noqa: F401  (registers the loongsage/ envs)
 from envs import EnvError
+from envs.agent import Episode, run_tool_episode
 from gateway.server import Gateway
 from gateway.trajectory import Trajectory
 from sandbox import SandboxConfig, open_sandbox
@@ -54,17 +54,6 @@ class AgentConfig:
     """Black-box: wall-time limit of one agent run."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Black-box: the sandbox each rollout runs in (a fresh one per rollout)."""
-
-
-@dataclass
-class Episode:
-    """What an episode produced, before the gateway's token log is attached."""
-
-    reward: float = 0.0
-    status: Literal["ok", "aborted", "error"] = "ok"
-    reason: str = ""
-    turns: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 class AgentFlow:
@@ -163,56 +152,6 @@ class AgentFlow:
             return Episode(status="aborted", reason="the agent wrote no answer.txt", info=logs)
         _, reward, _, _, info = await asyncio.to_thread(env.step, answer.decode(errors="replace"))
         return Episode(reward=float(reward), info={**info, **logs})
-
-
-async def run_tool_episode(
-    client: openai.AsyncOpenAI,
-    model: str,
-    env: gym.Env,
-    *,
-    seed: int | None = None,
-    options: dict[str, Any] | None = None,
-    max_turns: int = 6,
-    temperature: float = 1.0,
-    max_tokens: int = 256,
-) -> Episode:
-    """Run one episode of `env` with the model behind `client` (envs/base.py has the contract)."""
-    obs, info = await asyncio.to_thread(env.reset, seed=seed, options=options)
-    messages: list[dict[str, Any]] = []
-    if info.get("system"):
-        messages.append({"role": "system", "content": info["system"]})
-    messages.append({"role": "user", "content": obs})
-    tools = info.get("tools") or openai.NOT_GIVEN
-    episode = Episode()
-    for _ in range(max_turns):
-        try:
-            response = await client.chat.completions.create(
-                model=model,
-                messages=messages,
-                tools=tools,
-                temperature=temperature,
-                max_tokens=max_tokens,
-            )
-        except openai.BadRequestError as e:
-            # Typically the history outgrew the context window: the episode ends, scored 0.
-            episode.reason = f"stopped: {e.message}"
-            return episode
-        message = response.choices[0].message
-        assistant = message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True)
-        messages.append(assistant)
-        episode.turns += 1
-        obs, reward, terminated, truncated, info = await asyncio.to_thread(
-            env.step, json.dumps(assistant)
-        )
-        episode.reward = float(reward)
-        episode.info = {k: v for k, v in info.items() if k != "tool_messages"}
-        if terminated or truncated:
-            if truncated:
-                episode.reason = f"truncated: {info.get('reason', '')}"
-            return episode
-        messages.extend(info.get("tool_messages") or [{"role": "user", "content": obs}])
-    episode.reason = f"max_turns={max_turns} reached without a final answer"
-    return episode
 
 
 def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
