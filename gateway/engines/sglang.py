@@ -256,11 +256,9 @@ class SGLangEngine:
             async with self._pool.post("/generate", orjson.dumps(body)) as response:
                 if response.status != 200:
                     self._raise_for(response.status, await response.read(), "/generate")
-                finished = False
-                # Read to the end of the body (`[DONE]` and the last chunk come after the
-                # finishing event) so that the connection can be reused.
+                last: Chunk | None = None
                 async for line in response.lines():
-                    if finished or not line.startswith(b"data:"):
+                    if last is not None or not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
@@ -269,10 +267,17 @@ class SGLangEngine:
                     if chunk is None:
                         continue
                     seen += len(chunk.token_ids)
-                    finished = chunk.finish_reason is not None
+                    if chunk.finish_reason is not None:
+                        # Held back until the body is read to its end (`[DONE]` follows at
+                        # once): callers stop at the last chunk, and a fully read connection
+                        # goes back to the pool instead of being closed.
+                        last = chunk
+                        continue
                     yield chunk
-            if not finished:
+            if last is None:
                 raise EngineError(f"{self!r}: stream for {rid} ended without a finish_reason")
+            self._inflight.discard(rid)
+            yield last
         except (OSError, EOFError, TimeoutError) as exc:
             raise EngineError(f"{self!r}: /generate failed: {exc!r}") from exc
         finally:
