@@ -31,6 +31,7 @@ import contextlib
 import io
 import os
 import tarfile
+import threading
 import time
 import uuid
 from pathlib import PurePosixPath
@@ -46,6 +47,7 @@ from sandbox.base import (
     check_gateway_socket,
     last_line,
     launcher,
+    log,
     safe_relpath,
     signal_reason,
     tail,
@@ -76,6 +78,7 @@ class DockerSandbox:
         self.holder = None
         self._containers: set = set()
         self.user = "65534:65534"
+        self._stop_lock = threading.Lock()
 
     # ---- lifecycle ----
 
@@ -124,15 +127,32 @@ class DockerSandbox:
         self.holder.start()
 
     def stop(self) -> None:
+        # `finally` and atexit may both stop one sandbox, from two threads
+        with self._stop_lock:
+            self._stop()
+
+    def _stop(self) -> None:
         for c in [*self._containers, self.holder]:
             if c is not None:
-                with contextlib.suppress(Exception):
+                try:
                     c.remove(force=True)
+                except Exception as e:  # noqa: BLE001 - clean-up goes on; say what was left
+                    if "already in progress" not in str(e) and "No such container" not in str(e):
+                        log.warning("sandbox: could not remove container %s: %s", c.name, e)
         self._containers.clear()
         self.holder = None
         if self.volume is not None:
-            with contextlib.suppress(Exception):
-                self.volume.remove(force=True)
+            # a container whose removal another call started still holds the volume a moment
+            for attempt in range(50):
+                try:
+                    self.volume.remove(force=True)
+                    break
+                except Exception as e:  # noqa: BLE001 - clean-up goes on; say what was left
+                    if "in use" in str(e) and attempt < 49:
+                        time.sleep(0.2)
+                        continue
+                    log.warning("sandbox: could not remove volume %s: %s", self.volume.name, e)
+                    break
             self.volume = None
 
     # ---- files ----
@@ -265,6 +285,10 @@ class DockerSandbox:
         )
         if not holder:
             self._containers.add(container)
+            if self._stop_lock.locked() or self.holder is None:  # stopped meanwhile (atexit)
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+                raise SandboxError("sandbox was stopped")
         return container
 
     def _pids_limit_hit(self, container_id: str) -> bool:

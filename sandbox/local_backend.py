@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import os
+import resource  # imported here: the child, already under another uid, may not read it
 import shutil
 import signal
 import socket
@@ -69,6 +71,8 @@ from sandbox.base import (
 from sandbox.forwarder import serve, unix_connector
 
 _uid_counter = itertools.count()
+_run_counter = itertools.count()
+_core_counter = itertools.count()
 # not /work: this Python may live under /work (a venv in a checkout) and is bound too
 INSIDE_WORK = "/home/sandbox"
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -104,6 +108,7 @@ class LocalSandbox:
             )
         self._procs: set[subprocess.Popen] = set()
         self._listener: socket.socket | None = None  # process mode's host-side forwarder
+        self._stop_lock = threading.Lock()
 
     # ---- lifecycle ----
 
@@ -131,6 +136,11 @@ class LocalSandbox:
         os.chmod(self.root, 0o711)
 
     def stop(self) -> None:
+        # `finally` and atexit may both stop one sandbox, from two threads
+        with self._stop_lock:
+            self._stop()
+
+    def _stop(self) -> None:
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -183,11 +193,13 @@ class LocalSandbox:
         timeout = cfg.timeout_s if timeout_s is None else timeout_s
         work = self._work()
         assert self.root is not None
-        argv, run_env = self._command(cmd, env, work)
+        argv, run_env = self._command(cmd, env, work, timeout)
+        limits = self._rlimits(timeout)
         # process mode as root: the switch to the sandbox uid happens in Popen (bwrap: setpriv).
         switch = os.geteuid() == 0 and not self.bwrap
 
-        out_path, err_path = self.root / "stdout", self.root / "stderr"
+        n = next(_run_counter)  # runs of one sandbox may overlap
+        out_path, err_path = self.root / f"stdout.{n}", self.root / f"stderr.{n}"
         start = time.monotonic()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             try:
@@ -202,7 +214,7 @@ class LocalSandbox:
                     user=self.uid if switch else None,
                     group=self.gid if switch else None,
                     extra_groups=[] if switch else None,
-                    preexec_fn=None if self.prlimit else self._preexec_limits,
+                    preexec_fn=None if self.prlimit else functools.partial(_set_rlimits, limits),
                 )
             except OSError as e:
                 return RunResult("error", None, f"could not start: {e}", 0.0, "", "")
@@ -253,7 +265,7 @@ class LocalSandbox:
         return "error", f"{signal_reason(code)}" + (f": {detail}" if detail else "")
 
     def _command(
-        self, cmd: list[str], env: dict[str, str] | None, work: Path
+        self, cmd: list[str], env: dict[str, str] | None, work: Path, timeout: float
     ) -> tuple[list[str], dict[str, str]]:
         """argv (limits, then bwrap, then the forwarder, then cmd) and the agent's environment."""
         cfg = self.cfg
@@ -279,7 +291,7 @@ class LocalSandbox:
                 drop = [f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
                 argv = ["setpriv", *drop, "--no-new-privs", "--", *argv]
             argv = self._bwrap_argv(work) + argv
-        return self._limits_argv() + argv, run_env
+        return self._limits_argv(timeout) + argv, run_env
 
     def _bwrap_argv(self, work: Path) -> list[str]:
         cfg = self.cfg
@@ -313,7 +325,7 @@ class LocalSandbox:
         first_bind = argv.index("--ro-bind")
         return argv[:first_bind] + mkdirs + argv[first_bind:] + ["--"]
 
-    def _rlimits(self) -> dict[str, int]:
+    def _rlimits(self, timeout: float) -> dict[str, int]:
         cfg = self.cfg
         nproc = cfg.pids
         if os.geteuid() != 0:  # RLIMIT_NPROC counts every process of our uid
@@ -322,33 +334,27 @@ class LocalSandbox:
         return {
             "data": cfg.memory_mb << 20,
             "nproc": nproc,
-            "cpu": int(math.ceil(cfg.timeout_s * cores)) + 5,
+            "cpu": int(math.ceil(timeout * cores)) + 5,
             "fsize": cfg.disk_mb << 20,
             "core": 0,
         }
 
-    def _limits_argv(self) -> list[str]:
+    def _limits_argv(self, timeout: float) -> list[str]:
         cores = max(1, math.ceil(self.cfg.cpus))
-        allowed = sorted(os.sched_getaffinity(0))[:cores]
+        # rotate, so that one-core sandboxes spread over the cores instead of sharing core 0
+        mine = sorted(os.sched_getaffinity(0))
+        first = next(_core_counter) % len(mine)
+        allowed = sorted((mine[first:] + mine[:first])[:cores])
         argv = []
         if shutil.which("taskset"):
             argv = ["taskset", "-c", ",".join(map(str, allowed))]
         if self.prlimit:
-            argv += [self.prlimit] + [f"--{k}={v}:{v}" for k, v in self._rlimits().items()] + ["--"]
+            argv += (
+                [self.prlimit]
+                + [f"--{k}={v}:{v}" for k, v in self._rlimits(timeout).items()]
+                + ["--"]
+            )
         return argv
-
-    def _preexec_limits(self) -> None:  # only without the prlimit binary
-        import resource
-
-        names = {
-            "data": resource.RLIMIT_DATA,
-            "nproc": resource.RLIMIT_NPROC,
-            "cpu": resource.RLIMIT_CPU,
-            "fsize": resource.RLIMIT_FSIZE,
-            "core": resource.RLIMIT_CORE,
-        }
-        for k, v in self._rlimits().items():
-            resource.setrlimit(names[k], (v, v))
 
     def _kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL the process group (and, as root, every process of the sandbox uid) until gone."""
@@ -393,6 +399,12 @@ class _PeakProcs:
             else:
                 n = sum(1 for _ in _pids_of_session(self.sid))
             self.peak = max(self.peak, n)
+
+
+def _set_rlimits(limits: dict[str, int]) -> None:
+    """preexec_fn fallback when the `prlimit` binary is missing (util-linux usually has it)."""
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (value, value))
 
 
 def _pids_of_uid(uid: int) -> list[int]:

@@ -442,3 +442,52 @@ def test_sandbox_run_relays_a_tcp_gateway(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_rlimits_without_the_prlimit_binary():
+    """The preexec fallback sets the same limits when util-linux's prlimit is missing."""
+    with open_sandbox(make_cfg("process", timeout_s=60, memory_mb=256)) as sb:
+        sb.prlimit = None
+        sb.put_files({"agent.py": MEMORY_HOG})
+        res = sb.run(["python3", "agent.py"])
+        assert res.status == "killed" and res.reason.startswith("memory"), res
+
+
+AT_EXIT = """
+import sys, threading, time
+from sandbox import SandboxConfig, open_sandbox
+cfg = SandboxConfig(kind=sys.argv[1], local_isolation=sys.argv[2], timeout_s=300)
+
+def hang():
+    with open_sandbox(cfg) as sb:
+        print("uid", getattr(sb, "uid", None), "root", getattr(sb, "root", None), flush=True)
+        sb.run(["sleep", "300"])
+
+threading.Thread(target=hang, daemon=True).start()
+time.sleep(3)  # the run is under way; the interpreter exits with the sandbox still open
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sandboxes_still_open_at_exit_are_stopped(backend, tmp_path):
+    make_cfg(backend)  # skips docker when unavailable
+    kind, iso = ("docker", "auto") if backend == "docker" else ("local", backend)
+    script = tmp_path / "at_exit.py"
+    script.write_text(AT_EXIT)
+    proc = subprocess.run(
+        [sys.executable, str(script), kind, iso],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    words = proc.stdout.split()
+    if backend == "docker":
+        assert leftover_containers() == []
+    else:
+        from sandbox.local_backend import _pids_of_uid
+
+        assert not Path(words[3]).exists()  # the work dir is gone
+        if os.geteuid() == 0:
+            assert _pids_of_uid(int(words[1])) == []
