@@ -316,3 +316,18 @@ async def test_concurrent_requests_are_isolated(engine):
         for one, many in zip(singles, together, strict=False):
             assert one.output_ids == many.output_ids
     assert engine.load == 0
+
+
+async def test_connections_are_reused_and_abandoned_streams_closed(engine):
+    for _ in range(3):
+        await engine.generate(PROMPT, greedy(4, ignore_eos=True))
+        async for chunk in engine.stream(PROMPT, greedy(4, ignore_eos=True)):
+            if chunk.finish_reason is not None:
+                break  # the gateway stops at the finishing chunk
+    assert len(engine._pool._idle) == 1  # one keep-alive connection served all six
+    stream = engine.stream(PROMPT, greedy(4000, ignore_eos=True))
+    await stream.__anext__()
+    await stream.aclose()  # abandoned mid-generation: its connection must not be reused
+    assert len(engine._pool._idle) == 0 and engine.load == 0
+    out = await engine.generate(PROMPT, greedy(4, ignore_eos=True))
+    assert len(out.output_ids) == 4
