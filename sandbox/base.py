@@ -31,7 +31,6 @@ import logging
 import os
 import signal
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
@@ -175,7 +174,6 @@ def open_sandbox(cfg: SandboxConfig) -> Iterator[Sandbox]:
 # Sandboxes still open when the interpreter exits (an exception escaped a thread, sys.exit in a
 # worker, ...) are stopped by atexit, so no container or process outlives the controller.
 _live: set = set()
-_live_lock = threading.Lock()
 
 
 @atexit.register

@@ -70,9 +70,11 @@ def docker_unavailable(tag: str = DEFAULT_IMAGE) -> str:
     return ""
 
 
-def apt_mirror() -> str:
+def apt_mirror(sources: list[Path] | None = None) -> str:
     """The Debian mirror apt is configured with (deb822 `URIs:` or one-line `deb URL ...`)."""
-    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    if sources is None:
+        etc = Path("/etc/apt")
+        sources = [etc / "sources.list", *sorted((etc / "sources.list.d").glob("*"))]
     for path in sources:
         if not path.is_file() or path.suffix not in (".list", ".sources", ""):
             continue

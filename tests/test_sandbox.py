@@ -491,3 +491,26 @@ def test_sandboxes_still_open_at_exit_are_stopped(backend, tmp_path):
         assert not Path(words[3]).exists()  # the work dir is gone
         if os.geteuid() == 0:
             assert _pids_of_uid(int(words[1])) == []
+
+
+def test_apt_mirror_reads_both_source_formats(tmp_path):
+    from sandbox.image import apt_mirror
+
+    assert apt_mirror().startswith("http")  # this machine's own apt configuration
+    (tmp_path / "a.sources").write_text(
+        "Types: deb\nURIs: http://security.example/debian-security\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n"
+    )
+    (tmp_path / "b.list").write_text("deb [arch=amd64] http://old.example/debian bookworm main\n")
+    assert apt_mirror([tmp_path / "a.sources"]) == "http://mirror.example/debian"
+    assert apt_mirror([tmp_path / "b.list"]) == "http://old.example/debian"
+    assert apt_mirror([tmp_path / "missing.list"]) == "http://deb.debian.org/debian"
+
+
+@pytest.mark.docker
+def test_default_image_has_python_and_the_agent_sdks():
+    if why := docker_unavailable():
+        pytest.skip(why)
+    with open_sandbox(SandboxConfig(kind="docker", timeout_s=120)) as sb:
+        res = sb.run(["python3", "-c", "import openai, agents; print('sdk ok')"])
+        assert res.status == "ok" and res.stdout.strip() == "sdk ok", res
