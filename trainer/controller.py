@@ -319,6 +319,7 @@ class Controller:
                     t.checkpoint = time.monotonic() - tc
                 now = time.monotonic()
                 wall = now - last_end
+                busy = t.train + t.sync + t.checkpoint
                 last_end = now
                 tokens = sum(tr.num_output_tokens for tr in batch.trajectories)
                 metrics |= {
@@ -329,7 +330,9 @@ class Controller:
                     "time/eval_s": t.eval,
                     "time/checkpoint_s": t.checkpoint,
                     "time/step_s": wall,
-                    "time/trainer_idle_frac": t.wait / wall if wall > 0 else 0.0,
+                    # idle = neither training, syncing nor checkpointing: waiting for rollouts
+                    # (and for evaluation, which the train loop awaits)
+                    "time/trainer_idle_frac": max(0.0, 1 - busy / wall) if wall > 0 else 0.0,
                     "throughput/tokens_per_s": tokens / wall if wall > 0 else 0.0,
                     "throughput/samples_per_s": len(batch.trajectories) / wall if wall else 0.0,
                     "rollout/inflight_groups": float(len(self.inflight)),

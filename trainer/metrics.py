@@ -165,6 +165,8 @@ def plot_run(run_dir: Path) -> list[Path]:
         ("time/generation_wait_s", "waiting for rollouts", "tab:gray"),
         ("time/train_s", "training", "tab:blue"),
         ("time/weight_sync_s", "weight sync", "tab:orange"),
+        ("time/eval_s", "evaluation", "tab:green"),
+        ("time/checkpoint_s", "checkpoint", "tab:purple"),
     ]
     steps = [r for r in rows if r.get("time/train_s") is not None]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5))

@@ -53,17 +53,32 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float,
     with_entropy: bool = False,
+    score_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log-prob of each token given the previous ones (0 at position 0), and entropy."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
+    """[B, T] log-prob of each token given the previous ones, and its entropy if asked.
+
+    Only positions where `score_mask` (default: attention_mask) is 1 are projected to the
+    vocabulary; the others, and position 0, are 0. With a large vocabulary and long prompts or
+    padding, the output projection is most of the cost, so skipping prompt and pad tokens pays.
+    """
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]
+    select = (score_mask if score_mask is not None else attention_mask)[:, 1:] > 0
+    h = hidden[:, :-1][select]  # [N, H]: the positions that predict a scored token
+    logits = model.get_output_embeddings()(h).float()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:  # Gemma-2 style models cap logits before sampling
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse
-    logp = torch.nn.functional.pad(logp, (1, 0))
+    picked = logits.gather(-1, input_ids[:, 1:][select].unsqueeze(-1)).squeeze(-1) - lse
+    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+    logp = torch.zeros(shape, dtype=picked.dtype, device=picked.device)
+    logp = torch.nn.functional.pad(logp.masked_scatter(select, picked), (1, 0))
     entropy = None
     if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = torch.nn.functional.pad(lse - (probs * logits).sum(-1), (1, 0))
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = torch.zeros(shape, dtype=ent.dtype, device=ent.device).masked_scatter(select, ent)
+        entropy = torch.nn.functional.pad(entropy, (1, 0))
     return logp, entropy
 
 
@@ -146,19 +161,22 @@ class TorchBackend:
         return ids, attn
 
     @torch.no_grad()
-    def _score(self, model: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
+    def _score(
+        self, model: torch.nn.Module, samples: list[TrainSample], only_loss: bool = True
+    ) -> list[torch.Tensor]:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         for mb in self._micro_batches(list(range(len(samples))), samples):
             rows = [samples[i] for i in mb]
             ids, attn = self._inputs(rows)
+            mask = self._pad([s.loss_mask for s in rows], 0, torch.long) if only_loss else None
             with self._autocast():
-                logp, _ = token_logprobs(model, ids, attn, self.temperature)
+                logp, _ = token_logprobs(model, ids, attn, self.temperature, score_mask=mask)
             for j, i in enumerate(mb):
                 out[i] = logp[j, : len(samples[i].token_ids)].float()
         return out
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
-        return [t.tolist() for t in self._score(self.model, samples)]
+        return [t.tolist() for t in self._score(self.model, samples, only_loss=False)]
 
     # -- the train step -------------------------------------------------------------------------
 
@@ -189,7 +207,12 @@ class TorchBackend:
                 adv = adv[:, None].expand_as(mask)
                 with self._autocast():
                     logp, entropy = token_logprobs(
-                        self.model, ids, attn, self.temperature, self.algorithm.entropy_coef > 0
+                        self.model,
+                        ids,
+                        attn,
+                        self.temperature,
+                        self.algorithm.entropy_coef > 0,
+                        score_mask=mask,
                     )
                 out = policy_loss(
                     self.algorithm,
