@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.engines import local
 from gateway.engines.base import Chunk, Engine, EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
 
@@ -18,6 +19,7 @@ PROMPTS = [
     [1, 42],
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+GREEDY_EOS = SamplingParams(max_tokens=12, temperature=0)
 
 
 def sampled(seed: int, max_tokens: int = 16, **kw) -> SamplingParams:
@@ -37,11 +39,11 @@ async def engine(tiny_model_path):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF's greedy continuation: up to n tokens, ending early on the model's EOS."""
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=n,
-        min_new_tokens=n,
         do_sample=False,
         pad_token_id=0,
     )
@@ -64,9 +66,9 @@ async def test_is_an_engine(engine):
 
 async def test_greedy_matches_hf_generate(engine, hf_tiny):
     for prompt in PROMPTS:
-        out = await engine.generate(prompt, GREEDY)
+        out = await engine.generate(prompt, GREEDY_EOS)
         assert out.output_ids == hf_greedy(hf_tiny, prompt, 12)
-        assert out.finish_reason == "length" and out.output_versions == [0] * 12
+        assert out.output_versions == [0] * len(out.output_ids)
 
 
 @pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 50}, {"top_p": 0.9}])
@@ -269,7 +271,10 @@ async def test_pause_abort_ends_requests(engine):
     assert len((await late).output_ids) == 12
 
 
-async def test_score_matches_forward(engine, hf_tiny):
+@pytest.mark.parametrize("budget_rows", [None, 12])
+async def test_score_matches_forward(engine, hf_tiny, monkeypatch, budget_rows):
+    if budget_rows:  # force several scoring groups (logits memory budget of ~12 positions)
+        monkeypatch.setattr(local, "SCORE_LOGITS_BUDGET", budget_rows * engine.vocab_size)
     seqs = [PROMPTS[2] + [5, 6, 7], PROMPTS[3], PROMPTS[0] * 3]
     starts = [4, 1, 10]
     first, second = await asyncio.gather(
@@ -372,11 +377,12 @@ async def test_smollm2_greedy_and_logprobs_match_hf(smollm2_path):
     ]
     prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
     async with LocalEngine(smollm2_path) as eng:
-        outs = await asyncio.gather(*(eng.generate(p, GREEDY) for p in prompts))
+        outs = await asyncio.gather(*(eng.generate(p, GREEDY_EOS) for p in prompts))
         scores = await eng.score(
             [p + o.output_ids for p, o in zip(prompts, outs, strict=True)],
             [len(p) for p in prompts],
         )
+    assert outs[0].finish_reason == "stop"  # answered within 12 tokens: ends on EOS, like HF
     for prompt, out, score in zip(prompts, outs, scores, strict=True):
         assert out.output_ids == hf_greedy(hf, prompt, 12)
         ref = forward_logprobs(hf, prompt + out.output_ids, len(prompt))

@@ -62,11 +62,12 @@ from gateway.engines.base import (
     SamplingParams,
     collect,
 )
+from gateway.models import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFILL_TOKEN_BUDGET = 8192
 """Padded prompt tokens prefilled in one forward; bounds activation memory when many join."""
-SCORE_LOGITS_BUDGET = 256 * 2**20
+SCORE_LOGITS_BUDGET = 128 * 2**20
 """Logit elements (batch x kept positions x vocab) per scoring forward."""
 
 
@@ -103,7 +104,7 @@ class LocalEngine:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
-        self.model_path = Path(model_path)
+        self.model_path = resolve_model(str(model_path))
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype])
         self.model.eval()
         config = self.model.config
@@ -555,58 +556,45 @@ class LocalEngine:
         self._score_jobs.append((seqs, start, reply))
 
     def _run_scores(self) -> None:
-        """Score every queued job's sequences together, grouped to bound logits memory."""
+        """Score all queued jobs' sequences together, in groups that bound the logits memory."""
         jobs, self._score_jobs = self._score_jobs, []
-        items = sorted(
-            ((j, k) for j, job in enumerate(jobs) for k in range(len(job[0]))),
-            key=lambda jk: len(jobs[jk[0]][0][jk[1]]),
+        items = sorted(  # (sequence, start, job, index in job), shortest first: little padding
+            (
+                (seq, begin, j, k)
+                for j, (seqs, starts, _) in enumerate(jobs)
+                for k, (seq, begin) in enumerate(zip(seqs, starts, strict=True))
+            ),
+            key=lambda item: len(item[0]),
         )
-        groups: list[list[tuple[int, int]]] = [[]]
-        keep = 0
-        for item in items:
-            wider = max(keep, _kept(jobs, item))
-            group = groups[-1]
-            if group and (
-                (len(group) + 1) * wider * self.vocab_size > SCORE_LOGITS_BUDGET
-                or len(group) >= self.max_batch_size
-            ):
-                groups.append([])
-                wider = _kept(jobs, item)
-            groups[-1].append(item)
-            keep = wider
         results: list[list[Any]] = [[None] * len(job[0]) for job in jobs]
         failed: dict[int, BaseException] = {}
-        for group in groups:
+        group: list[tuple] = []
+        for item in [*items, None]:
+            if item is not None:
+                grown = [*group, item]
+                keep = max(len(seq) - begin + 1 for seq, begin, _, _ in grown)
+                if len(grown) <= self.max_batch_size and (
+                    len(grown) * keep * self.vocab_size <= SCORE_LOGITS_BUDGET or not group
+                ):
+                    group = grown
+                    continue
             try:
-                self._score_group(jobs, group, results)
-            except Exception as exc:  # fails the jobs in this group, not the engine
-                failed.update({j: EngineError(f"local engine: {exc!r}") for j, _ in group})
+                self._score_group(group, results)
+            except Exception as exc:  # fails the jobs in this group, never the engine
+                failed.update({j: EngineError(f"local engine: {exc!r}") for _, _, j, _ in group})
+            group = [item]
         for j, (_, _, reply) in enumerate(jobs):
-            if j in failed:
-                reply(error=failed[j])
-            else:
-                reply(results[j])
+            reply(results[j], failed.get(j))
 
-    def _score_group(self, jobs: list, group: list[tuple[int, int]], results: list) -> None:
-        if not group:
-            return
-        seqs = [jobs[j][0][k] for j, k in group]
-        ids, mask = _left_pad(seqs)
-        keep = max(_kept(jobs, g) for g in group)
+    def _score_group(self, group: list[tuple], results: list[list[Any]]) -> None:
+        ids, mask = _left_pad([seq for seq, _, _, _ in group])
+        keep = max(len(seq) - begin + 1 for seq, begin, _, _ in group)
         with torch.inference_mode():
-            logits = self._forward(ids, mask, None, keep=keep)
-        logp = torch.log_softmax(logits, dim=-1)
-        for row, (j, k) in enumerate(group):
-            seq, start = jobs[j][0][k], jobs[j][1][k]
-            n = len(seq) - start  # predictions at columns -n-1 .. -2 of the kept window
-            targets = torch.tensor(seq[start:], dtype=torch.long)
-            picked = logp[row, keep - n - 1 : keep - 1].gather(-1, targets.unsqueeze(-1))
-            results[j][k] = picked.squeeze(-1).tolist()
-
-
-def _kept(jobs: list, item: tuple[int, int]) -> int:
-    j, k = item
-    return len(jobs[j][0][k]) - jobs[j][1][k] + 1
+            logp = torch.log_softmax(self._forward(ids, mask, None, keep=keep), dim=-1)
+        for row, (seq, begin, j, k) in enumerate(group):
+            n = len(seq) - begin  # left padding: the predictions are the kept window's tail
+            targets = torch.tensor(seq[begin:]).unsqueeze(-1)
+            results[j][k] = logp[row, keep - n - 1 : keep - 1].gather(-1, targets)[:, 0].tolist()
 
 
 def _draw(logp: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> int:
