@@ -221,7 +221,7 @@ class DockerSandbox:
                 code = container.wait(timeout=timeout)["StatusCode"]
             except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
                 timed_out, code = True, None
-            pids_hit = self._pids_limit_hit(container.id)
+            pids_hit = (timed_out or code != 0) and self._pids_limit_hit(container)
             if timed_out:
                 with contextlib.suppress(docker.errors.APIError):
                     container.kill()
@@ -291,16 +291,17 @@ class DockerSandbox:
                 raise SandboxError("sandbox was stopped")
         return container
 
-    def _pids_limit_hit(self, container_id: str) -> bool:
+    def _pids_limit_hit(self, container) -> bool:
+        """Did a fork fail at the pids limit? The cgroup's `pids.events` counts exactly that."""
         for pattern in CGROUP_PIDS_EVENTS:
-            path = pattern.format(id=container_id)
             with contextlib.suppress(OSError, ValueError):
-                with open(path) as f:
-                    for line in f:
-                        key, _, value = line.partition(" ")
-                        if key == "max" and int(value) > 0:
-                            return True
-                return False
+                with open(pattern.format(id=container.id)) as f:
+                    events = dict(line.split() for line in f if line.strip())
+                return int(events.get("max", 0)) > 0
+        # no cgroup file here (another cgroup layout, or a remote engine): ask for the count
+        with contextlib.suppress(Exception):
+            current = container.stats(stream=False)["pids_stats"]["current"]
+            return current >= self.cfg.pids - 1
         return False
 
     def _holder(self):
@@ -318,14 +319,14 @@ def _classify(
     pids_hit: bool,
     stderr: str,
 ) -> tuple[str, str]:
+    if not timed_out and code == 0:
+        return "ok", ""  # even if a fork failed or a child was OOM-killed: the agent coped
     if oom:
         return "killed", f"memory: OOM-killed at the {cfg.memory_mb} MiB limit"
     if pids_hit:
         return "killed", f"pids: reached the limit of {cfg.pids} processes"
-    if timed_out:
+    if timed_out or code is None:
         return "timeout", f"wall time {timeout:g} s exceeded"
-    if code == 0:
-        return "ok", ""
     detail = last_line(stderr)
     return "error", signal_reason(code) + (f": {detail}" if detail else "")
 

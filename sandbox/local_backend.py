@@ -157,16 +157,14 @@ class LocalSandbox:
     def put_files(self, files: dict[str, str | bytes]) -> None:
         work = self._work()
         for rel, content in files.items():
-            path = work / safe_relpath(rel)
+            rel_path = Path(safe_relpath(rel))
+            path = work / rel_path
             _check_inside(path, work)
             path.parent.mkdir(parents=True, exist_ok=True)
-            data = content.encode() if isinstance(content, str) else content
-            path.write_bytes(data)
-            if os.geteuid() == 0:
-                for p in [path, *path.relative_to(work).parents]:
-                    target = work / p
-                    if target != work:
-                        os.lchown(target, self.uid, self.gid)
+            path.write_bytes(content.encode() if isinstance(content, str) else content)
+            if os.geteuid() == 0:  # the agent runs under the sandbox uid and may rewrite them
+                for part in [rel_path, *rel_path.parents[:-1]]:
+                    os.lchown(work / part, self.uid, self.gid)
 
     def get_files(self, paths: list[str]) -> dict[str, bytes]:
         """Regular files at `paths` (directories are expanded); missing ones are left out."""
@@ -244,14 +242,13 @@ class LocalSandbox:
         self, code: int | None, timed_out: bool, timeout: float, stderr: str, peak: int
     ) -> tuple[str, str]:
         cfg = self.cfg
-        # bwrap, prlimit and the forwarder are processes of the sandbox too: a few of slack.
+        if not timed_out and code == 0:
+            return "ok", ""
+        # bwrap and the forwarder are processes of the sandbox too: one of slack.
         if peak >= cfg.pids - 1:
             return "killed", f"pids: reached the limit of {cfg.pids} processes"
-        if timed_out:
+        if timed_out or code is None:
             return "timeout", f"wall time {timeout:g} s exceeded"
-        assert code is not None
-        if code == 0:
-            return "ok", ""
         if code == 128 + signal.SIGXCPU:
             return "killed", f"cpu: CPU-time limit reached ({signal_reason(code)})"
         if code == 128 + signal.SIGXFSZ:
