@@ -13,6 +13,15 @@ from sandbox.base import (
     SandboxConfig,
     SandboxError,
     open_sandbox,
+    run_once,
 )
 
-__all__ = ["BACKENDS", "RunResult", "Sandbox", "SandboxConfig", "SandboxError", "open_sandbox"]
+__all__ = [
+    "BACKENDS",
+    "RunResult",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "open_sandbox",
+    "run_once",
+]

@@ -171,6 +171,32 @@ def open_sandbox(cfg: SandboxConfig) -> Iterator[Sandbox]:
             _live.discard(sb)
 
 
+def run_once(
+    cfg: SandboxConfig,
+    cmd: list[str],
+    files: dict[str, str | bytes] | None = None,
+    env: dict[str, str] | None = None,
+    collect: list[str] = (),
+    timeout_s: float | None = None,
+) -> tuple[RunResult, dict[str, bytes]]:
+    """One rollout of a black-box agent: a fresh sandbox, `files` in, `cmd`, `collect` out.
+
+    Never raises for a sandbox that cannot start or fails mid-way: that comes back as a
+    `status="error"` result (a bad rollout is data), with no files. Per-rollout settings go in
+    `env` (e.g. the session's `OPENAI_API_KEY`) or in a copy of `cfg`
+    (`dataclasses.replace(cfg, gateway_path=f"/sessions/{sid}/v1")`). Blocking; from async code
+    call it with `asyncio.to_thread`.
+    """
+    try:
+        with open_sandbox(cfg) as sb:
+            if files:
+                sb.put_files(files)
+            result = sb.run(cmd, timeout_s=timeout_s, env=env)
+            return result, sb.get_files(list(collect)) if collect else {}
+    except (SandboxError, OSError) as e:
+        return RunResult("error", None, f"sandbox: {e}", 0.0, "", ""), {}
+
+
 # Sandboxes still open when the interpreter exits (an exception escaped a thread, sys.exit in a
 # worker, ...) are stopped by atexit, so no container or process outlives the controller.
 _live: set = set()

@@ -514,3 +514,20 @@ def test_default_image_has_python_and_the_agent_sdks():
     with open_sandbox(SandboxConfig(kind="docker", timeout_s=120)) as sb:
         res = sb.run(["python3", "-c", "import openai, agents; print('sdk ok')"])
         assert res.status == "ok" and res.stdout.strip() == "sdk ok", res
+
+
+def test_run_once_is_one_rollout_and_never_raises_for_the_sandbox(tmp_path):
+    from sandbox import run_once
+
+    cfg = make_cfg("bwrap" if shutil.which("bwrap") else "process", timeout_s=60)
+    script = "open('answer.txt', 'w').write(open('task.txt').read().upper())"
+    res, files = run_once(
+        cfg,
+        ["python3", "agent.py"],
+        files={"agent.py": script, "task.txt": "abc"},
+        collect=["answer.txt", "nothing.txt"],
+    )
+    assert res.status == "ok" and files == {"answer.txt": b"ABC"}, res
+    broken = SandboxConfig(kind=cfg.kind, gateway_socket=str(tmp_path / "no.sock"))
+    res, files = run_once(broken, ["true"])
+    assert res.status == "error" and "gateway_socket" in res.reason and files == {}

@@ -19,7 +19,7 @@ import pytest
 from gateway.engines.local import LocalEngine
 from gateway.render import load_renderer
 from gateway.server import Gateway, GatewayConfig
-from sandbox import SandboxConfig, open_sandbox
+from sandbox import SandboxConfig, open_sandbox, run_once
 from sandbox.image import docker_unavailable
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -148,3 +148,25 @@ async def test_example_agents_run_unmodified(backend, agent, served):
     traj = gw.trajectory(sid)
     assert len(traj.turns) >= 1
     assert all(t.output_ids for t in traj.turns)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_session_scoped_base_url(backend, served):
+    """Agents that can set only a base URL: the session's path, via `gateway_path`."""
+    gw, sock = served
+    sid, key = gw.create_session()
+    cfg = make_cfg(backend, timeout_s=120, gateway_socket=sock, gateway_path=f"/sessions/{sid}/v1")
+    script = (
+        "import json, os, urllib.request\n"
+        "chat = {'model': 'tiny-random', 'messages': [{'role': 'user', 'content': 'hi'}],"
+        " 'max_tokens': 3}\n"
+        "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions',"
+        " data=json.dumps(chat).encode(), headers={'Content-Type': 'application/json',"
+        " 'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']})\n"
+        "print(urllib.request.urlopen(req, timeout=60).status)\n"
+    )
+    res, _ = await asyncio.to_thread(
+        run_once, cfg, ["python3", "agent.py"], {"agent.py": script}, {"OPENAI_API_KEY": key}
+    )
+    assert res.status == "ok" and res.stdout.strip() == "200", res
+    assert len(gw.trajectory(sid).turns) == 1
