@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from gateway.config import parse_cli
+from sandbox.base import DEFAULT_IMAGE
 
-DEFAULT_IMAGE = "loongsage-sandbox:latest"
 AGENT_PACKAGES = ["openai", "openai-agents"]
 
 
