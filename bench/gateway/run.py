@@ -405,6 +405,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--sessions", type=int, default=64, help="load test sessions")
     parser.add_argument("--turns", type=int, default=10, help="load test turns per session")
+    parser.add_argument(
+        "--gateway-launcher",
+        choices=["serve", "nodelay"],
+        default="serve",
+        help="serve: python -m gateway.serve; nodelay: the same app on uvicorn's own socket "
+        "(TCP_NODELAY; see serve_nodelay.py)",
+    )
     parser.add_argument("--skip-litellm", action="store_true")
     parser.add_argument("--skip-load-test", action="store_true")
     parser.add_argument("--out", help="write all numbers as JSON here")
@@ -443,8 +450,11 @@ def main() -> None:
                 "gateway",
                 [
                     py,
-                    "-m",
-                    "gateway.serve",
+                    *(
+                        ["-m", "gateway.serve"]
+                        if args.gateway_launcher == "serve"
+                        else [str(HERE / "serve_nodelay.py")]
+                    ),
                     "engine.kind=sglang",
                     f"engine.urls=[http://127.0.0.1:{ports['sglang']}]",
                     f"model={MODEL}",
