@@ -220,6 +220,21 @@ async def test_end_to_end_with_the_embedded_engine(tmp_path, tiny_model_path):
         assert row["weights/bytes"] > 0
 
 
+class BrokenPrompts:
+    def next(self):
+        raise OSError("dataset file vanished")
+
+
+async def test_a_failing_prompt_stream_stops_the_run_with_its_error(tmp_path, tiny_model_path):
+    cfg = config(tmp_path)
+    source = ToySource()
+    ctl = Controller(cfg, backend_for(cfg, tiny_model_path), source, ToyPush(source),
+                     prompts=BrokenPrompts())  # fmt: skip
+    with pytest.raises(RuntimeError, match="admitting rollouts failed") as info:
+        await asyncio.wait_for(ctl.run(), timeout=60)
+    assert isinstance(info.value.__cause__, OSError)
+
+
 def test_trainer_config_has_no_unknown_sections():
     with pytest.raises(ValueError, match="did you mean rollout"):
         load(["rolout.batch_size=2"])

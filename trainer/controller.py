@@ -146,11 +146,23 @@ class Controller:
         """The last batch trained (kept for inspection and tests)."""
         self._cond = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
+        self._admission_error: Exception | None = None
         self.log: MetricsLogger | None = None
 
     # -- admission and rollouts -----------------------------------------------------------------
 
     async def _admit(self) -> None:
+        try:
+            await self._admit_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # e.g. the prompt stream failed: the train loop must not hang
+            self._admission_error = e
+            async with self._cond:
+                self._cond.notify_all()
+            raise
+
+    async def _admit_forever(self) -> None:
         while True:
             async with self._cond:
                 await self._cond.wait_for(self.gate.can_admit)
@@ -203,6 +215,8 @@ class Controller:
                     self._cond.notify_all()
                 if self.batcher.num_ready() >= self.cfg.rollout.batch_size:
                     return self.batcher.pop_batch(self.version)
+                if self._admission_error is not None:
+                    raise RuntimeError("admitting rollouts failed") from self._admission_error
                 await self._cond.wait()
 
     # -- checkpoints ------------------------------------------------------------------------------

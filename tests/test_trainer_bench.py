@@ -1,0 +1,25 @@
+"""bench/async.py runs end to end and reports every setting (slow: three short real runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_async_bench_smoke(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "async.py"), "steps=3", "batch_size=2",
+           "num_samples_per_prompt=2", "max_tokens=32", f"out={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["max_staleness"] for r in results] == [0, 1, 2]
+    assert results[0]["staleness_max"] == 0
+    assert all(r["tokens_per_s"] > 0 and r["staleness_max"] <= r["max_staleness"] for r in results)
+    assert "vs sync" in proc.stdout
