@@ -9,7 +9,8 @@ is a fresh container on the same volume with:
   read-only under `/opt/loongsage`, the forwarder listening on `127.0.0.1:gateway_port`;
 - memory (= memory+swap) `memory_mb`, CPU quota `cpus`, pids limit `pids`, read-only root,
   `/tmp` a small tmpfs, all capabilities dropped, `no-new-privileges`, tini as pid 1;
-- the uid that owns the gateway socket (so it can connect without any capability);
+- uid 65534 (nobody), or the gateway socket's owner when the socket is not connectable by
+  others (so the agent connects without any capability);
 - a wall-time timeout (`wait(timeout)`, then kill); the OOM flag and the pids cgroup's
   `pids.events` tell `killed (memory)` and `killed (pids)` apart from a plain timeout.
 
@@ -17,12 +18,13 @@ Every container and the volume are labelled `loongsage.sandbox` and removed in `
 from `finally` and at interpreter exit), also when `start` failed half way. A controller killed
 by SIGKILL leaves them behind: `docker rm -f $(docker ps -aq -f label=loongsage.sandbox)`.
 
-What it does NOT give: the kernel is shared with the host (no gVisor/Kata; no user-namespace
-remapping, so uid 0 inside, if the socket is root's, is root on the host's files that are bound
-in — only the socket and the forwarder are); the default seccomp profile, not a tighter one;
-no disk quota beyond the work tmpfs (the 16 MiB `/tmp` and the log files count on the host);
-CPU is a quota, not pinned cores; the gateway itself is reachable, so isolation *between*
-sessions rests on the gateway's per-session keys.
+What it does NOT give: the kernel is shared with the host (no gVisor/Kata) and there is no
+user-namespace remapping (if the agent must run as the socket's owner and that is root, it is
+root without capabilities, on a read-only root with only the socket and the forwarder bound
+in); the default seccomp profile, not a tighter one; the work tmpfs lives in host RAM
+(`disk_mb` per sandbox) and `/tmp` (16 MiB) and the logs count on the host; CPU is a quota, not
+pinned cores; the gateway itself is reachable, so isolation *between* sessions rests on the
+gateway's per-session keys.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class DockerSandbox:
         check_gateway_socket(sock, other_uid=False)
         if sock is not None:
             st = os.stat(sock)
-            self.user = f"{st.st_uid}:{st.st_gid}"
+            if st.st_mode & 0o002 == 0:  # not connectable by others: run as its owner
+                self.user = f"{st.st_uid}:{st.st_gid}"
         try:
             self._create_volume_and_holder()
         except docker.errors.DockerException as e:
