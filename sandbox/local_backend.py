@@ -1,12 +1,15 @@
 """`local` sandbox backend: bubblewrap namespaces when `bwrap` is installed, else a process group.
 
-Each run is `prlimit ... bwrap ... python3 forwarder.py ... -- CMD` started in its own session:
+Each run is `taskset ... prlimit ... bwrap ... python3 forwarder.py ... -- CMD`, in its own
+session:
 
-- **bwrap** (`local_isolation=bwrap`, the default when installed): new user, pid, net, ipc, uts
-  and cgroup namespaces (the net namespace has only its own loopback, so no network), the system
+- **bwrap** (`local_isolation=bwrap`, the default when installed): new pid, net, ipc, uts and
+  cgroup namespaces (the net namespace has only its own loopback, so no network), the system
   dirs (`/usr`, `/etc`, `/lib*`, ...) and this Python's prefix bound read-only, a private
-  writable work dir at `/home/sandbox`, a fresh `/tmp`, `--die-with-parent`. Killing bwrap kills the
-  whole pid namespace.
+  writable work dir at `/home/sandbox`, a fresh `/tmp`, `--die-with-parent`. Killing bwrap
+  kills the whole pid namespace. Not root: a user namespace too (unprivileged bwrap). Root: bwrap
+  runs privileged (so it can bind a Python that lives under `/root`) and the agent is dropped to
+  the sandbox's own uid by `setpriv --no-new-privs` before anything of it runs.
 - **process** (no bwrap): the command runs on the host in the work dir, in its own process
   group. It has the host's network and file system (read access as its uid). It is logged as
   less isolation, and `isolation` says so. The forwarder runs as a thread on the host (a free
@@ -100,7 +103,9 @@ class LocalSandbox:
             self.uid = os.geteuid()
         self.gid = self.uid if os.geteuid() == 0 else os.getegid()
         if self.bwrap:
-            self.isolation = "local/bwrap: user+pid+net+ipc namespaces, read-only system, rlimits"
+            self.isolation = (
+                "local/bwrap: pid+net+ipc namespaces, read-only system, own uid, rlimits"
+            )
         else:
             self.isolation = (
                 "local/process: rlimits and a process group only; LESS ISOLATION "
