@@ -103,8 +103,9 @@ class LocalSandbox:
             self.uid = os.geteuid()
         self.gid = self.uid if os.geteuid() == 0 else os.getegid()
         if self.bwrap:
+            who = "own uid" if os.geteuid() == 0 else "user namespace"
             self.isolation = (
-                "local/bwrap: pid+net+ipc namespaces, read-only system, own uid, rlimits"
+                f"local/bwrap: pid+net+ipc namespaces, read-only system, {who}, rlimits"
             )
         else:
             self.isolation = (
