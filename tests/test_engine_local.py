@@ -96,10 +96,15 @@ async def test_batched_equals_unbatched(engine):
 async def test_requests_joining_midway_equal_unbatched(engine):
     long = sampled(9, max_tokens=60)
     alone_long = await engine.generate(PROMPTS[2], long)
-    alone_short = [await engine.generate(p, sampled(i)) for i, p in enumerate(PROMPTS)]
+    # Joiners narrower and wider than the running cache, finishing at different steps.
+    joiners = [*PROMPTS, PROMPTS[0] * 9]
+    params = [sampled(i, max_tokens=8 + 4 * i) for i in range(len(joiners))]
+    alone_short = [await engine.generate(p, sp) for p, sp in zip(joiners, params, strict=True)]
     stream = engine.stream(PROMPTS[2], long)
     first = await anext(stream)  # the long request is running before the others join
-    joined = asyncio.gather(*(engine.generate(p, sampled(i)) for i, p in enumerate(PROMPTS)))
+    joined = asyncio.gather(
+        *(engine.generate(p, sp) for p, sp in zip(joiners, params, strict=True))
+    )
     rest = [c async for c in stream]
     assert first.token_ids + [t for c in rest for t in c.token_ids] == alone_long.output_ids
     for a, b in zip(alone_short, await joined, strict=True):
@@ -178,7 +183,7 @@ async def test_closing_a_stream_aborts_it(engine):
     stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=4000, ignore_eos=True))
     await anext(stream)
     await stream.aclose()
-    for _ in range(100):
+    for _ in range(500):
         if engine.load == 0:
             break
         await asyncio.sleep(0.01)

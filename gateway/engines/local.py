@@ -243,13 +243,10 @@ class LocalEngine:
         for name, tensor in state.items():
             if name not in self._weights:
                 raise ValueError(f"state: unknown weight {name!r} (not in the model's state dict)")
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(
-                self._weights[name].shape
-            ):
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+            expected, got = tuple(self._weights[name].shape), getattr(tensor, "shape", type(tensor))
+            if not isinstance(tensor, torch.Tensor) or tuple(got) != expected:
                 raise ValueError(
-                    f"state: weight {name!r} has shape {shape}, the model expects "
-                    f"{tuple(self._weights[name].shape)}"
+                    f"state: weight {name!r} has shape {got}, the model expects {expected}"
                 )
         await self._ask(self._swap_weights, dict(state), version)
 
@@ -290,7 +287,6 @@ class LocalEngine:
     async def _ask(self, fn: Callable, *args: Any, deferred: bool = False) -> Any:
         """Run `fn(*args)` on the engine thread and await its result (a deferred `fn` gets a
         `reply(result, error)` callback as last argument and answers later)."""
-        self._check_open()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -313,14 +309,8 @@ class LocalEngine:
         else:
             generator.manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        req = _Request(
-            request_id,
-            prompt,
-            params,
-            frozenset(stop_ids),
-            generator,
-            lambda item: _deliver(loop, chunks.put_nowait, item),
-        )
+        emit = lambda item: _deliver(loop, chunks.put_nowait, item)  # noqa: E731
+        req = _Request(request_id, prompt, params, frozenset(stop_ids), generator, emit)
         with self._lock:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -329,15 +319,12 @@ class LocalEngine:
             self._inbox.put((self._waiting.append, (req,), None))
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await chunks.get()
+                finished = isinstance(item, BaseException) or item.finish_reason is not None
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
-                finished = item.finish_reason is not None
                 yield item
-                if finished:
-                    return
         finally:
             if not finished and not self._closed:  # the caller stopped listening
                 self._inbox.put((self._abort, (request_id,), None))
@@ -364,23 +351,21 @@ class LocalEngine:
         self._fail(self._rows + list(self._waiting), EngineError("the local engine was closed"))
 
     def _run_commands(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=None if block else 0)
-        except queue.Empty:
-            return
+        """Run everything in the inbox (waiting for the first command if `block`)."""
         while True:
-            fn, args, reply = item
             try:
-                result = fn(*args)
-                if reply is not None:
-                    reply(result)
-            except Exception as exc:
-                if reply is not None:
-                    reply(error=exc)
-            try:
-                item = self._inbox.get_nowait()
+                fn, args, reply = self._inbox.get(block=block)
             except queue.Empty:
                 return
+            block = False
+            try:
+                result = fn(*args)
+            except Exception as exc:  # the caller gets it; the loop goes on
+                result, error = None, exc
+            else:
+                error = None
+            if reply is not None:
+                reply(result, error)
 
     def _shutdown(self) -> None:
         self._stop = True
@@ -637,12 +622,8 @@ def _ids(value: int | list[int] | None) -> set[int]:
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+    if not fut.done():  # a cancelled caller no longer waits
+        fut.set_exception(error) if error is not None else fut.set_result(result)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
