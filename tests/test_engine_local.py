@@ -82,6 +82,17 @@ async def test_logprobs_match_teacher_forcing(engine, hf_tiny, kw):
     torch.testing.assert_close(torch.tensor(greedy.output_logprobs), ref, atol=1e-4, rtol=0)
 
 
+async def test_top_k_1_and_tiny_top_p_are_greedy(engine, hf_tiny):
+    greedy = await engine.generate(PROMPTS[2], GREEDY)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        out = await engine.generate(PROMPTS[2], sampled(0, max_tokens=12, temperature=2.0, **kw))
+        assert out.output_ids == greedy.output_ids
+        # The logprob is of the temperature-scaled distribution, not renormalized by top-k/p.
+        ref = forward_logprobs(hf_tiny, PROMPTS[2] + out.output_ids, len(PROMPTS[2]), 2.0)
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
+        assert max(out.output_logprobs) < -1
+
+
 async def test_batched_equals_unbatched(engine):
     params = [GREEDY, sampled(1), sampled(2, temperature=0.8, top_p=0.9), sampled(4, top_k=20)]
     alone = [await engine.generate(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]

@@ -1,4 +1,4 @@
-"""The embedded torch inference engine (`kind: local`): continuous batching on CPU (or one GPU).
+"""The embedded torch inference engine (`kind: local`): continuous batching on CPU.
 
 One engine thread owns the model and runs the scheduling loop; nothing else ever calls the
 model, so weight swaps, pauses and aborts cannot race a forward pass. Callers (any asyncio
