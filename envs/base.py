@@ -452,8 +452,8 @@ def extract_answer(text: str) -> str | None:
         if not boxed:
             return None
         found = boxed[-1]
-    found = found.strip().strip("*").strip().strip("$").strip()
-    return found[:-1].strip() if found.endswith(".") else found
+    found = found.strip(" \t*$")
+    return found[:-1].strip(" \t*$") if found.endswith(".") else found
 
 
 # ---- tool schemas from signatures and docstrings ----------------------------------------
