@@ -35,7 +35,9 @@ Semantics worth knowing:
 - `pause("abort")` ends running and queued requests; `"retract"` drops their cache and
   re-queues them (recomputed on resume, their streams continue); `"in_place"` keeps everything.
   Requests submitted while paused wait for `resume()`.
-- Sliding-window models run with a full-length cache (correct, but without the memory saving).
+- `score` is prefill-only at T = 1 (teachers); sequences of concurrent calls share forwards.
+- Cost of a swap: one prefill of every running request. The batch cache is a plain
+  `DynamicCache` of full-attention layers; sliding-window / hybrid models are untested.
 """
 
 from __future__ import annotations
