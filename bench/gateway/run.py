@@ -57,11 +57,11 @@ MESSAGES = [{"role": "user", "content": "Write one short sentence about the sea.
 
 
 @contextlib.contextmanager
-def process(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Iterator[None]:
+def process(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Iterator[int]:
     log = open(tempfile.gettempdir() + f"/loongsage-bench-{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         try:
@@ -70,6 +70,22 @@ def process(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Ite
             proc.kill()
             proc.wait()
         log.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its children so far."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+    except psutil.Error:
+        pass
+    return total
 
 
 def wait_http(name: str, url: str, timeout_s: float = 180) -> None:
@@ -172,7 +188,9 @@ async def one_request(port: int, path: str, body: bytes | None, key: str) -> dic
 # Throughput and latency
 
 
-async def measure(args, ports: dict[str, int], prompt_ids: list[int]) -> list[dict]:
+async def measure(
+    args, ports: dict[str, int], pids: dict[str, int], prompt_ids: list[int]
+) -> list[dict]:
     rows = []
     run_id = int(time.time())
     for stream in (False, True):
@@ -230,15 +248,29 @@ async def measure(args, ports: dict[str, int], prompt_ids: list[int]) -> list[di
                     ),
                     check_chat(stream),
                 )
+            server_of = {
+                "sglang direct": "sglang",
+                "gateway": "gateway",
+                "openai direct": "openai",
+                "litellm": "litellm",
+            }
             for name, (port, make, check) in targets.items():
+                pid = pids[server_of[name]]
+                cpu0 = cpu_seconds(pid)
                 result = await run_load("127.0.0.1", port, make, check, c, args.duration)
-                rows.append(row(name, stream, c, result))
+                # CPU of the measured server alone (not its upstream, not the client): the
+                # noise-robust number on a shared machine, as req/s per core.
+                cpu = cpu_seconds(pid) - cpu0
+                rows.append(row(name, stream, c, result, cpu))
                 print(format_row(rows[-1]), flush=True)
     return rows
 
 
-def row(name: str, stream: bool, c: int, r: Result) -> dict:
+def row(name: str, stream: bool, c: int, r: Result, cpu_s: float) -> dict:
+    n = len(r.latencies) + r.errors
     return {
+        "cpu_ms_per_request": cpu_s / n * 1e3 if n else float("nan"),
+        "rps_per_core": n / cpu_s if cpu_s > 0 else float("nan"),
         "target": name,
         "stream": stream,
         "concurrency": c,
@@ -257,7 +289,8 @@ def format_row(r: dict) -> str:
     text = (
         f"{r['target']:<14} {mode:<6} c={r['concurrency']:<3} {r['rps']:>8.0f} req/s  "
         f"p50 {r['p50_ms']:>7.2f} ms  p99 {r['p99_ms']:>7.2f} ms  "
-        f"ttfb p50 {r['ttfb_p50_ms']:>7.2f} ms  n={r['requests']:<6} errors={r['errors']}"
+        f"ttfb p50 {r['ttfb_p50_ms']:>7.2f} ms  cpu {r['cpu_ms_per_request']:>6.2f} ms/req "
+        f"({r['rps_per_core']:>6.0f} req/s/core)  n={r['requests']:<6} errors={r['errors']}"
     )
     if r["error_samples"]:
         text += f"  e.g. {r['error_samples'][0]}"
@@ -265,11 +298,17 @@ def format_row(r: dict) -> str:
 
 
 def ratios(rows: list[dict]) -> list[str]:
+    """One line per (mode, concurrency): added p50 latency of each proxy over its direct call,
+    req/s, and req/s per core of CPU the proxy process itself used."""
     by = {(r["target"], r["stream"], r["concurrency"]): r for r in rows}
+
+    def f(value: float | None, fmt: str, width: int) -> str:
+        return f"{value:{fmt}}".rjust(width) if value is not None else "-".rjust(width)
+
     lines = [
-        "mode    conc | gateway added p50 | litellm added p50 | gateway req/s | litellm req/s "
-        "| gateway/litellm req/s | gateway/direct req/s",
-        "-" * 128,
+        "mode   conc | added p50 ms: gateway litellm | req/s: gateway litellm ratio "
+        "| req/s per core: gateway litellm ratio",
+        "-" * 110,
     ]
     for stream in (False, True):
         for c in sorted({r["concurrency"] for r in rows}):
@@ -277,14 +316,16 @@ def ratios(rows: list[dict]) -> list[str]:
             ll, up = by.get(("litellm", stream, c)), by.get(("openai direct", stream, c))
             if not (gw and direct):
                 continue
-            gw_added = gw["p50_ms"] - direct["p50_ms"]
-            ll_added = f"{ll['p50_ms'] - up['p50_ms']:>12.2f} ms" if ll and up else f"{'-':>15}"
-            ll_rps = f"{ll['rps']:>13.0f}" if ll else f"{'-':>13}"
-            ratio = f"{gw['rps'] / ll['rps']:>20.1f}x" if ll and ll["rps"] else f"{'-':>21}"
+            ll_added = ll["p50_ms"] - up["p50_ms"] if ll and up else None
+            ratio = gw["rps"] / ll["rps"] if ll and ll["rps"] else None
+            core_ratio = gw["rps_per_core"] / ll["rps_per_core"] if ll else None
             lines.append(
-                f"{'stream' if stream else 'plain':<7} {c:>4} | {gw_added:>14.2f} ms | "
-                f"{ll_added:>17} | {gw['rps']:>13.0f} | {ll_rps} | {ratio} | "
-                f"{gw['rps'] / direct['rps']:>19.2f}x"
+                f"{'stream' if stream else 'plain':<6} {c:>4} | "
+                f"{f(gw['p50_ms'] - direct['p50_ms'], '.2f', 21)} {f(ll_added, '.2f', 7)} | "
+                f"{f(gw['rps'], '.0f', 14)} {f(ll['rps'] if ll else None, '.0f', 7)} "
+                f"{f(ratio, '.1f', 5)}x | "
+                f"{f(gw['rps_per_core'], '.0f', 23)} {f(ll['rps_per_core'] if ll else None, '.0f', 7)}"
+                f" {f(core_ratio, '.1f', 5)}x"
             )
     return lines
 
@@ -439,13 +480,14 @@ def main() -> None:
     }
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(tempfile.TemporaryDirectory())
-        stack.enter_context(
+        pids: dict[str, int] = {}
+        pids["sglang"] = stack.enter_context(
             process(
                 "fake-sglang",
                 [py, "tests/fake_sglang.py", "--port", str(ports["sglang"])],
             )
         )
-        stack.enter_context(
+        pids["gateway"] = stack.enter_context(
             process(
                 "gateway",
                 [
@@ -464,13 +506,13 @@ def main() -> None:
             )
         )
         if use_litellm:
-            stack.enter_context(
+            pids["openai"] = stack.enter_context(
                 process(
                     "fake-openai",
                     [py, str(HERE / "fake_openai.py"), "--port", str(ports["openai"])],
                 )
             )
-            stack.enter_context(
+            pids["litellm"] = stack.enter_context(
                 process(
                     "litellm",
                     [
@@ -493,7 +535,7 @@ def main() -> None:
             wait_http("fake-openai", f"http://127.0.0.1:{ports['openai']}/health")
             wait_http("litellm", f"http://127.0.0.1:{ports['litellm']}/health/liveliness")
         print(f"servers up: {ports}", flush=True)
-        results = asyncio.run(run_all(args, ports))
+        results = asyncio.run(run_all(args, ports, pids))
     print()
     print("=== side by side (p50 added over the direct call; req/s ratios) ===")
     for line in ratios(results["rows"]):
@@ -518,13 +560,13 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
 
-async def run_all(args, ports: dict[str, int]) -> dict:
+async def run_all(args, ports: dict[str, int], pids: dict[str, int]) -> dict:
     # The exact prompt ids the gateway renders for MESSAGES, for the direct engine calls.
     probe = f"probe-{int(time.time())}"
     await one_request(ports["gateway"], "/v1/chat/completions", chat_body(False, 1), probe)
     traj = await one_request(ports["gateway"], f"/sessions/{probe}/trajectory", None, probe)
     prompt_ids = traj["turns"][0]["prompt_ids"]
-    rows = await measure(args, ports, prompt_ids)
+    rows = await measure(args, ports, pids, prompt_ids)
     load = None if args.skip_load_test else await load_test(args, ports)
     return {"rows": rows, "load": load, "prompt_tokens": len(prompt_ids)}
 
