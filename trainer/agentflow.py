@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -30,7 +31,7 @@ from envs import EnvError
 from envs.agent import Episode, run_tool_episode
 from gateway.server import Gateway
 from gateway.trajectory import Trajectory
-from sandbox import SandboxConfig, open_sandbox
+from sandbox import SandboxConfig, run_once
 
 log = logging.getLogger("loongsage.agentflow")
 
@@ -73,6 +74,11 @@ class AgentFlow:
         self.env_kwargs = dict(env_kwargs or {})
         self.cfg = cfg or AgentConfig()
         self.gateway_socket = gateway_socket
+        self._agent_files: dict[str, str | bytes] = {}
+        for inside, host in self.cfg.files.items():
+            if not Path(host).is_file():
+                raise ValueError(f"agent.files: {host!r} (for {inside!r}) is not a file")
+            self._agent_files[inside] = Path(host).read_bytes()
         if self.cfg.kind == "command" and not self.cfg.command:
             raise ValueError(
                 "agent.command: kind=command needs the command to run, e.g. [python3, agent.py]"
@@ -128,23 +134,20 @@ class AgentFlow:
         options: dict[str, Any] | None,
     ) -> Episode:
         task, _ = await asyncio.to_thread(env.reset, seed=seed, options=options)
-        files: dict[str, str | bytes] = {"task.txt": task}
-        for inside, host in self.cfg.files.items():
-            with open(host, "rb") as f:
-                files[inside] = f.read()
+        files: dict[str, str | bytes] = {**self._agent_files, "task.txt": task}
         sb_cfg = dataclasses.replace(self.cfg.sandbox, gateway_socket=self.gateway_socket)
         command = [part.replace("{task}", task) for part in self.cfg.command]
 
-        def run() -> tuple[Any, bytes | None]:
-            with open_sandbox(sb_cfg) as sb:
-                sb.put_files(files)
-                result = sb.run(
-                    command, timeout_s=self.cfg.timeout_s, env={"OPENAI_API_KEY": api_key}
-                )
-                answer = sb.get_files(["answer.txt"]).get("answer.txt") if result.ok else None
-                return result, answer
-
-        result, answer = await asyncio.to_thread(run)
+        result, out = await asyncio.to_thread(
+            run_once,
+            sb_cfg,
+            command,
+            files,
+            env={"OPENAI_API_KEY": api_key},
+            collect=["answer.txt"],
+            timeout_s=self.cfg.timeout_s,
+        )
+        answer = out.get("answer.txt")
         logs = {"stdout_tail": result.stdout[-2000:], "stderr_tail": result.stderr[-2000:]}
         if not result.ok:
             return Episode(status="aborted", reason=f"{result.status}: {result.reason}", info=logs)
