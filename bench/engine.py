@@ -1,19 +1,21 @@
 """Throughput of the embedded engine versus HF `generate`, side by side in one run.
 
-    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,8,32] [--threads N]
+    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,8,32]
+                           [--repeats 1] [--threads N]
 
 Same chat prompts, greedy, every request generating exactly `--max-tokens` new tokens (the
 engine with `ignore_eos`, HF with `min_new_tokens`). HF runs a whole batch as one left-padded
 `generate` call; the engine receives the same requests concurrently and batches them itself.
-Tokens/s counts new tokens only, prefill included in the wall time. Peak RSS is sampled while
-each run is in flight (the whole process, with only that side's model loaded).
+Tokens/s counts new tokens only, prefill included in the wall time. Both sides run in one
+process, alternating per batch size (so load from other processes hits both alike); "peak RSS
+extra" is the highest RSS sampled during a run minus the RSS just before it (activations, KV
+cache). "same tokens": requests whose greedy tokens agree up to the engine's first EOS.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import threading
 import time
 from collections.abc import Callable
@@ -76,7 +78,7 @@ def prompts_for(path: Path, batch: int) -> list[list[int]]:
     return out
 
 
-def run_hf(path: Path, batches: list[int], max_tokens: int) -> dict[int, tuple]:
+def hf_runner(path: Path) -> Callable[[list[list[int]], int], list[list[int]]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -96,34 +98,16 @@ def run_hf(path: Path, batches: list[int], max_tokens: int) -> dict[int, tuple]:
             )
         return out[:, width:].tolist()
 
-    generate(prompts_for(path, 2), 4)  # warm-up
-    results = {}
-    for batch in batches:
-        prompts = prompts_for(path, batch)
-        results[batch] = peak_rss_during(lambda p=prompts: generate(p, max_tokens))
-    model = None  # free it before the engine loads its own copy
-    gc.collect()
-    return results
+    return generate
 
 
-def run_engine(
-    path: Path, batches: list[int], max_tokens: int
-) -> tuple[dict[int, tuple], frozenset[int]]:
-    engine = LocalEngine(path, max_batch_size=max(batches))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-    async def generate(prompts: list[list[int]], p: SamplingParams) -> list[list[int]]:
-        outs = await asyncio.gather(*(engine.generate(x, p) for x in prompts))
+def engine_runner(engine: LocalEngine) -> Callable[[list[list[int]], int], list[list[int]]]:
+    async def run(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        outs = await asyncio.gather(*(engine.generate(x, params) for x in prompts))
         return [o.output_ids for o in outs]
 
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    asyncio.run(generate(prompts_for(path, 2), warm))
-    results = {}
-    for batch in batches:
-        prompts = prompts_for(path, batch)
-        results[batch] = peak_rss_during(lambda p=prompts: asyncio.run(generate(p, params)))
-    asyncio.run(engine.close())
-    return results, engine.eos_token_ids
+    return lambda prompts, n: asyncio.run(run(prompts, n))
 
 
 def agree(hf: list[int], engine: list[int], eos: frozenset[int]) -> bool:
@@ -137,6 +121,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF folder")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per side; best is kept")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
@@ -145,26 +130,45 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    hf = run_hf(path, batches, args.max_tokens)
-    engine, eos = run_engine(path, batches, args.max_tokens)
+    engine = LocalEngine(path, max_batch_size=max(batches))
+    sides = {"hf": hf_runner(path), "engine": engine_runner(engine)}
+    for run in sides.values():
+        run(prompts_for(path, 2), 4)  # warm-up
+    baseline = rss_bytes()
+    rows = []
+    for batch in batches:
+        prompts = prompts_for(path, batch)
+        outs, seconds, extra = {}, {k: float("inf") for k in sides}, dict.fromkeys(sides, 0)
+        for _ in range(args.repeats):  # alternate the two sides so load changes hit both
+            for name, run in sides.items():
+                before = rss_bytes()
+                outs[name], took, peak = peak_rss_during(
+                    lambda r=run, p=prompts: r(p, args.max_tokens)
+                )
+                seconds[name] = min(seconds[name], took)
+                extra[name] = max(extra[name], peak - before)
+        rows.append((batch, outs, seconds, extra))
+    asyncio.run(engine.close())
 
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch threads {torch.get_num_threads()}, best of {args.repeats}; process RSS with "
+        f"both models loaded {baseline / 2**20:.0f} MiB"
     )
     print(
         "| batch | HF generate tok/s | engine tok/s | engine/HF | same tokens "
-        "| HF peak RSS | engine peak RSS |"
+        "| HF peak RSS extra | engine peak RSS extra |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for batch in batches:
-        hf_out, hf_s, hf_rss = hf[batch]
-        en_out, en_s, en_rss = engine[batch]
-        hf_tps, en_tps = batch * args.max_tokens / hf_s, batch * args.max_tokens / en_s
-        same = sum(agree(a, b, eos) for a, b in zip(hf_out, en_out, strict=True))
+    for batch, outs, seconds, extra in rows:
+        hf_tps, en_tps = (batch * args.max_tokens / seconds[k] for k in ("hf", "engine"))
+        same = sum(
+            agree(a, b, engine.eos_token_ids)
+            for a, b in zip(outs["hf"], outs["engine"], strict=True)
+        )
         print(
             f"| {batch} | {hf_tps:.1f} | {en_tps:.1f} | {en_tps / hf_tps:.2f}x | {same}/{batch} "
-            f"| {hf_rss / 2**20:.0f} MiB | {en_rss / 2**20:.0f} MiB |"
+            f"| {extra['hf'] / 2**20:.0f} MiB | {extra['engine'] / 2**20:.0f} MiB |"
         )
 
 
