@@ -170,7 +170,8 @@ async def test_abort_ends_stream_with_abort(engine):
     await engine.abort("no-such-request")  # unknown ids are ignored
 
 
-async def test_pause_in_place_then_resume_loses_nothing(engine):
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_then_resume_loses_nothing(engine, mode):
     params = greedy(400, ignore_eos=True)
     reference = await engine.generate(PROMPT, params)
     stream = engine.stream(PROMPT, params)
@@ -179,7 +180,7 @@ async def test_pause_in_place_then_resume_loses_nothing(engine):
         ids += chunk.token_ids
         if len(ids) >= 3:
             break
-    await engine.pause("in_place")
+    await engine.pause(mode)
     try:
         # Events already on the wire still arrive; then nothing comes while paused.
         while True:
@@ -188,7 +189,7 @@ async def test_pause_in_place_then_resume_loses_nothing(engine):
             if not done:
                 break
             chunk = pending.result()
-            assert chunk.finish_reason is None, "a request paused in place must not finish"
+            assert chunk.finish_reason is None, f"a request paused ({mode}) must not finish"
             ids += chunk.token_ids
         assert len(ids) < len(reference.output_ids)
     finally:

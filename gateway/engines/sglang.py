@@ -19,7 +19,9 @@ the wire format is restated here as pydantic models, field by field, from SGLang
   output so far) unless the server runs with `--incremental-streaming-output` (deltas). Both are
   handled the same way: `completion_tokens` is the running total, so the new tokens of an event
   are the last `completion_tokens - seen` entries of `output_token_logprobs`. This also covers
-  SGLang's abort event, which carries only the last output id.
+  SGLang's abort event, which carries only the last output id. Cumulative events make a stream
+  of n tokens cost O(n^2) bytes to send and parse: run SGLang with
+  `--incremental-streaming-output` for long generations.
 - Bad input is HTTP 400 with `{"error": {"message": ...}}` (or, on a stream, an `error` event).
 
 `update_weights` of the Engine protocol goes over disk (safetensors in a folder the server can
