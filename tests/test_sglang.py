@@ -332,3 +332,17 @@ async def test_connections_are_reused_and_abandoned_streams_closed(engine):
     assert len(engine._pool._idle) == 0 and engine.load == 0
     out = await engine.generate(PROMPT, greedy(4, ignore_eos=True))
     assert len(out.output_ids) == 4
+
+
+@fake_only
+async def test_silent_server_times_out():
+    with serve_fake("--latency-ms", "3000") as url:
+        slow = await SGLangEngine(url, timeout_s=0.4).connect()
+        try:
+            with pytest.raises(EngineError, match="TimeoutError"):
+                await slow.generate(PROMPT, greedy(4))
+            with pytest.raises(EngineError, match="TimeoutError"):
+                await collect_chunks(slow.stream(PROMPT, greedy(4)))
+            assert slow.load == 0
+        finally:
+            await slow.close()

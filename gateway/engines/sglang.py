@@ -628,7 +628,11 @@ class _Pool:
     gateway's overhead. Control routes use httpx. A response's body is framed by
     Content-Length or chunked encoding (uvicorn streams SSE chunked); a connection goes back to
     the pool only after its response was read to the end, and is closed otherwise (which is
-    also how SGLang learns that an abandoned stream should be aborted)."""
+    also how SGLang learns that an abandoned stream should be aborted).
+
+    Timeouts: a watchdog task aborts any connection that has received nothing for `timeout_s`
+    (its pending read then fails). Per-read timers would cost a timer-heap update per streamed
+    event, and a timeout scope cannot span the `yield`s of a streaming generator."""
 
     def __init__(self, url: str, timeout_s: float, max_connections: int) -> None:
         parsed = httpx.URL(url)
@@ -637,16 +641,18 @@ class _Pool:
         self.ssl = parsed.scheme == "https"
         self.prefix = parsed.path.rstrip("/")
         self.timeout_s = timeout_s
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self._busy: set[asyncio.StreamWriter] = set()
+        self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()
         self._slots = asyncio.Semaphore(max_connections)
+        self._watchdog: asyncio.Task[None] | None = None
 
     def close(self) -> None:
         """Close every connection, including those of requests still running (they fail)."""
-        for _, writer in self._idle:
-            writer.close()
-        for writer in self._busy:
-            writer.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for conn in [*self._idle, *self._busy]:
+            conn.writer.close()
         self._idle.clear()
 
     @contextlib.asynccontextmanager
@@ -655,50 +661,71 @@ class _Pool:
             f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         async with self._slots:
-            response = await self._send(head + body)
-            self._busy.add(response.writer)
+            conn, response = await self._send(head + body)
             try:
                 yield response
             finally:
-                self._busy.discard(response.writer)
-                if response.done and response.keep_alive and not response.writer.is_closing():
-                    self._idle.append((response.reader, response.writer))
+                self._busy.discard(conn)
+                if response.done and response.keep_alive and not conn.writer.is_closing():
+                    self._idle.append(conn)
                 else:
-                    response.writer.close()
+                    conn.writer.close()
 
-    async def _send(self, request: bytes) -> _Response:
+    async def _send(self, request: bytes) -> tuple[_Conn, _Response]:
+        clock = asyncio.get_running_loop().time
         while True:
             reused = bool(self._idle)
             if reused:
-                reader, writer = self._idle.pop()
+                conn = self._idle.pop()
             else:
                 async with asyncio.timeout(min(self.timeout_s, 10.0)):
-                    reader, writer = await asyncio.open_connection(
-                        self.host, self.port, ssl=self.ssl or None
+                    conn = _Conn(
+                        *await asyncio.open_connection(self.host, self.port, ssl=self.ssl or None)
                     )
+            conn.active = clock()
+            self._busy.add(conn)
             try:
-                writer.write(request)
-                async with asyncio.timeout(self.timeout_s):
-                    head = await reader.readuntil(b"\r\n\r\n")
-                return _Response(reader, writer, head, self.timeout_s)
+                conn.writer.write(request)
+                head = await conn.reader.readuntil(b"\r\n\r\n")
+                return conn, _Response(conn, head, clock, self.timeout_s)
             except (OSError, asyncio.IncompleteReadError) as exc:
-                writer.close()
+                self._busy.discard(conn)
+                conn.writer.close()
+                if conn.timed_out:
+                    raise TimeoutError(f"no answer within {self.timeout_s} s") from exc
                 # The server may close an idle keep-alive connection just as we reuse it:
                 # retry on a fresh one. A fresh connection failing is a real failure.
                 if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
                     raise
 
+    async def _watch(self) -> None:
+        clock = asyncio.get_running_loop().time
+        interval = max(0.05, min(5.0, self.timeout_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            now = clock()
+            for conn in list(self._busy):
+                if now - conn.active > self.timeout_s:
+                    conn.timed_out = True
+                    conn.writer.transport.abort()
+
+
+class _Conn:
+    __slots__ = ("reader", "writer", "active", "timed_out")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.active = 0.0
+        """Loop time of the last byte received (the watchdog's clock)."""
+        self.timed_out = False
+
 
 class _Response:
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        head: bytes,
-        timeout_s: float,
-    ) -> None:
-        self.reader, self.writer, self.timeout_s = reader, writer, timeout_s
+    def __init__(self, conn: _Conn, head: bytes, clock: Any, timeout_s: float) -> None:
+        self.conn, self.clock, self.timeout_s = conn, clock, timeout_s
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
@@ -716,22 +743,26 @@ class _Response:
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives."""
-        async with asyncio.timeout(None) as deadline:
+        conn = self.conn
+        try:
             if not self.chunked:
-                deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
-                data = await self.reader.readexactly(self.length)
+                data = await conn.reader.readexactly(self.length)
                 self.done = True
                 yield data
                 return
             while True:
-                deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
-                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                size = int((await conn.reader.readuntil(b"\r\n")).split(b";")[0], 16)
                 if size == 0:
-                    await self.reader.readuntil(b"\r\n")
+                    await conn.reader.readuntil(b"\r\n")
                     self.done = True
                     return
-                data = await self.reader.readexactly(size + 2)
+                data = await conn.reader.readexactly(size + 2)
+                conn.active = self.clock()
                 yield data[:-2]
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            if conn.timed_out:
+                raise TimeoutError(f"no data for {self.timeout_s} s") from exc
+            raise
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.pieces()])
