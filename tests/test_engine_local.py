@@ -201,6 +201,24 @@ async def test_closing_a_stream_aborts_it(engine):
     assert engine.load == 0
 
 
+async def test_cancelled_caller_frees_the_slot(engine):
+    task = asyncio.ensure_future(
+        engine.generate(PROMPTS[0], SamplingParams(max_tokens=4000, ignore_eos=True))
+    )
+    while engine.load == 0:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(500):
+        if engine.load == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.load == 0
+    assert len((await engine.generate(PROMPTS[1], GREEDY)).output_ids) == 12
+
+
 def perturbed(model) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {

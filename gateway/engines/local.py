@@ -34,7 +34,7 @@ Semantics worth knowing:
   engine with those weights would sample from the same prefix.
 - `pause("abort")` ends running and queued requests; `"retract"` drops their cache and
   re-queues them (recomputed on resume, their streams continue); `"in_place"` keeps everything.
-  Requests submitted while paused wait for `resume()`.
+  Requests submitted while paused wait for `resume()`; `score` still runs while paused.
 - `score` is prefill-only at T = 1 (teachers); sequences of concurrent calls share forwards.
 - Cost of a swap: one prefill of every running request. The batch cache is a plain
   `DynamicCache` of full-attention layers; sliding-window / hybrid models are untested.
