@@ -21,7 +21,8 @@ SGLang's source (`entrypoints/http_server.py`, `managers/io_struct.py`,
 - `/pause_generation` (`mode`: `abort` ends running requests, `retract` and `in_place` hold them;
   new requests wait) and `/continue_generation`; `/abort_request` (`rid` or `abort_all`);
   `/flush_cache` (400 while requests run); the weight routes answer
-  `{"success", "message"}` and set `weight_version` when given one; `/health`,
+  `{"success", "message"}` and set `weight_version` when given one; `/health` (which, like
+  SGLang's, runs into its timeout and answers 503 while generation is paused),
   `/get_model_info`, `/get_weight_version`, `/get_server_info`, `/v1/models`.
 
 The "model" is a rolling hash of the token ids: the next token and its logprob depend only on
@@ -96,6 +97,8 @@ class FakeConfig:
     incremental: bool = False
     """SGLang's --incremental-streaming-output: stream deltas, not cumulative outputs."""
     weight_version: str = "default"
+    health_timeout_s: float = 20.0
+    """How long /health waits for a paused server (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)."""
 
 
 @dataclass
@@ -495,7 +498,16 @@ def build_app(config: FakeConfig) -> Starlette:
         return Response(status_code=200)
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200 if state.healthy else 503)
+        # SGLang's /health generates one token; while paused that request waits, and after
+        # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) without an answer the probe is a 503.
+        if not state.healthy:
+            return Response(status_code=503)
+        if state.paused:
+            try:
+                await asyncio.wait_for(state.resumed.wait(), config.health_timeout_s)
+            except TimeoutError:
+                return Response(status_code=503)
+        return Response(status_code=200)
 
     async def set_health(request: Request) -> Response:
         state.healthy = bool((await _json(request)).get("healthy", True))
@@ -630,6 +642,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--eos-token-id", type=int, default=2)
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--health-timeout-s", type=float, default=20.0)
     args = parser.parse_args(argv)
     config = FakeConfig(
         latency_ms=args.latency_ms,
@@ -639,6 +652,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab_size=args.vocab_size,
         eos_token_id=args.eos_token_id,
         weight_version=args.weight_version,
+        health_timeout_s=args.health_timeout_s,
     )
     import uvicorn
 

@@ -17,7 +17,7 @@ from gateway.engines.sglang import SGLangEngine
 PROMPT = [1, 2000, 3000, 4000]
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-FAKE_ARGS = ("--tokens-per-s", "2000")
+FAKE_ARGS = ("--tokens-per-s", "2000", "--health-timeout-s", "0.2")
 
 
 @pytest.fixture(scope="module")
@@ -277,5 +277,26 @@ async def test_router_connects_on_first_use(urls):
         assert await router.health()
         out = await router.generate(PROMPT, SHORT, session_id="lazy")
         assert len(out.output_ids) == 4
+    finally:
+        await router.close()
+
+
+async def test_pause_update_resume_cycle_keeps_every_engine(urls):
+    import torch
+
+    router = await make_router(urls)
+    try:
+        v = router.weight_version
+        await router.pause("abort")
+        # A paused SGLang server fails its health probe; the router must not count that.
+        assert await router.engines[0].health() is False
+        assert await router.check_health() == [True, True, True]
+        await router.update_weights({"w": torch.ones(2)}, v + 1)
+        await router.resume()
+        assert await router.check_health() == [True, True, True]
+        assert [e.weight_version for e in router.engines] == [v + 1] * 3
+        for i in range(3):
+            out = await router.generate(PROMPT, SHORT, session_id=f"cycle{i}")
+            assert out.output_versions == [v + 1] * 4
     finally:
         await router.close()

@@ -11,10 +11,10 @@ Routing:
   (failover; the session moves with it). Once tokens have been handed out a failure is raised,
   since replaying would duplicate or alter logged tokens.
 
-Control fans out: `pause`, `resume` and `update_weights` go to every healthy engine at once.
-An engine that misses a weight push (down, or the push failed) stays out of the rotation until
-a later push reaches it, so after `update_weights(state, v)` no token is sampled with older
-weights. `weight_version` is the minimum over the engines in rotation: tokens carry the exact
+Control fans out: `pause`, `resume` and `update_weights` go to every engine at once, and health
+probes stop while paused (a paused SGLang server fails its probe). An engine that misses a
+weight push (down, or the push failed) stays out of the rotation until a later push reaches it,
+so after `update_weights(state, v)` no token is sampled with older weights. `weight_version` is the minimum over the engines in rotation: tokens carry the exact
 version of the engine that produced them, but a single number for "what new tokens are sampled
 with" can only promise the oldest of them, which is the safe side for a staleness gate.
 """
@@ -61,6 +61,7 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._connected = False
         self._connect_lock: asyncio.Lock | None = None
+        self._paused = False
 
     def __repr__(self) -> str:
         return f"Router({self.engines!r})"
@@ -106,7 +107,9 @@ class Router:
                 log.exception("health check round failed")
 
     async def check_health(self) -> list[bool]:
-        """Ask every engine now; returns and records who is healthy."""
+        """Ask every engine now; returns and records who is healthy (unchanged while paused)."""
+        if self._paused:
+            return list(self._healthy)
         results = await asyncio.gather(*(e.health() for e in self.engines), return_exceptions=True)
         for i, ok in enumerate(results):
             healthy = ok is True
@@ -273,32 +276,42 @@ class Router:
     # -- control (fan-out) ---------------------------------------------------------------------
 
     async def _fan_out(self, what: str, call: Callable[[Engine], Awaitable[Any]]) -> list[int]:
-        """Run `call` on every healthy engine; failures leave the rotation. Returns the indices
-        that succeeded; raises EngineError if none did."""
+        """Run `call` on every engine, healthy or not (a paused SGLang server fails its health
+        probe, yet must hear `resume` and take the weight push that comes while it is paused).
+        An engine that fails leaves the rotation; returns the indices that succeeded and raises
+        EngineError if none did."""
         await self._ensure_connected()
-        targets = [i for i in range(len(self.engines)) if self._healthy[i]]
-        results = await asyncio.gather(
-            *(call(self.engines[i]) for i in targets), return_exceptions=True
-        )
+        results = await asyncio.gather(*(call(e) for e in self.engines), return_exceptions=True)
         ok: list[int] = []
         errors: list[str] = []
-        for i, result in zip(targets, results, strict=True):
+        for i, result in enumerate(results):
             if isinstance(result, ValueError):
                 raise result  # the caller's mistake, the same on every engine
             if isinstance(result, BaseException):
-                self._failed(i, result)
+                if self._healthy[i]:
+                    self._failed(i, result)
                 errors.append(f"{self.engines[i]!r}: {result}")
             else:
                 ok.append(i)
         if not ok:
-            raise EngineError(f"{what} failed on every engine: {'; '.join(errors) or 'none up'}")
+            raise EngineError(f"{what} failed on every engine: {'; '.join(errors)}")
         return ok
 
     async def pause(self, mode: PauseMode = "in_place") -> None:
-        await self._fan_out("pause", lambda e: e.pause(mode))
+        # Health probes are skipped while paused: SGLang's /health runs a one-token generation,
+        # which waits for `continue_generation`, so every paused engine would look dead.
+        self._paused = True
+        try:
+            await self._fan_out("pause", lambda e: e.pause(mode))
+        except BaseException:
+            self._paused = False
+            raise
 
     async def resume(self) -> None:
-        await self._fan_out("resume", lambda e: e.resume())
+        try:
+            await self._fan_out("resume", lambda e: e.resume())
+        finally:
+            self._paused = False
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         await self._fan_out("update_weights", lambda e: e.update_weights(state, version))
