@@ -182,7 +182,7 @@ class LocalEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: {self.model_path} has no tokenizer to match stop strings")
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        request_id = f"local-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         self._check_open()
