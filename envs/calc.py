@@ -29,7 +29,7 @@ from envs.base import Task, ToolEnv, extract_answer
 LEVELS = {"easy": 0, "medium": 1, "hard": 2, "expert": 3}
 # level -> (steps, operations, start range, add/sub operand range, factor range)
 _PARAMS = {
-    0: (1, "+-", (2, 20), (1, 10), (2, 5)),
+    0: (1, "+-", (1, 10), (1, 5), (2, 5)),
     1: (1, "+-*/", (10, 100), (2, 50), (2, 9)),
     2: (2, "+-*/", (10, 500), (2, 200), (2, 12)),
     3: (3, "+-*/", (100, 5000), (10, 2000), (2, 25)),
@@ -95,6 +95,9 @@ class CalcEnv(ToolEnv):
                     "only one group."
                 )
         sentences.append(f"How many {item} does {name} have now?")
+        # Small models follow a format asked for in the user turn far more often than one in
+        # the system prompt (SmolLM2-135M: 21% vs 0% on difficulty 0), so it is repeated here.
+        sentences.append("Put your final answer on its own line as: Answer: <number>")
         return Task(prompt=" ".join(sentences), answer=value)
 
     def score(self, task: Task, final_answer: str) -> float:

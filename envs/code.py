@@ -217,9 +217,11 @@ class CodeEnv(ToolEnv):
         call = f"{function}({', '.join(repr(a) for a in example)})"
         prompt = (
             f"Write a Python function `{signature}` that {description}.\n"
-            f"Example: `{call}` returns `{cases[0][1]!r}`."
+            f"Example: `{call}` returns `{cases[0][1]!r}`.\n"
+            "Reply with the complete function in a ```python code block."
         )
-        return Task(prompt=prompt, answer=cases[0][1], data={"function": function, "cases": cases})
+        answer = f"a {function} that passes {len(cases)} hidden tests"  # no single reference
+        return Task(prompt=prompt, answer=answer, data={"function": function, "cases": cases})
 
     def score(self, task: Task, final_answer: str) -> float:
         passed, total, _ = self.run_tests(task, final_answer)

@@ -105,6 +105,7 @@ class LookupEnv(ToolEnv):
             manager = by_name[subject["manager"]]
             prompt = f"In which country does {subject['name']}'s manager work?"
             answer = office_of[manager["office"]]["country"]
+        prompt += " Put your final answer on its own line as: Answer: <name>"  # see calc.py
         return Task(prompt=prompt, answer=answer, data={"people": people, "offices": offices})
 
     def score(self, task: Task, final_answer: str) -> float:
