@@ -122,6 +122,26 @@ async def test_requests_joining_midway_equal_unbatched(engine):
         assert a.output_ids == b.output_ids
 
 
+async def test_many_requests_through_a_small_batch(tiny_model_path):
+    """40 requests of random shapes through 8 slots: each equals its run alone."""
+    rng = torch.Generator().manual_seed(5)
+    reqs = []
+    for i in range(40):
+        prompt = torch.randint(
+            3, 40000, (int(torch.randint(1, 30, (1,), generator=rng)),), generator=rng
+        )
+        n = int(torch.randint(1, 20, (1,), generator=rng))
+        params = GREEDY if i % 5 == 0 else sampled(i, max_tokens=n, top_k=(i % 3) * 20)
+        reqs.append(([1, *prompt.tolist()], params))
+    async with LocalEngine(tiny_model_path, max_batch_size=8) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in reqs]
+        together = await asyncio.gather(*(eng.generate(p, sp) for p, sp in reqs))
+        assert eng.load == 0
+    for a, b in zip(alone, together, strict=True):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
+
+
 async def test_seeded_sampling_independent_of_neighbours(engine):
     target = sampled(1234, max_tokens=24, temperature=1.1)
     alone = await engine.generate(PROMPTS[1], target)
@@ -137,6 +157,11 @@ async def test_seeded_sampling_independent_of_neighbours(engine):
 
 
 async def test_finish_reasons(engine, tiny_model_path):
+    # Requests done after their prefill token never join the batch (and never break it).
+    running = asyncio.ensure_future(engine.generate(PROMPTS[2], sampled(3, max_tokens=200)))
+    ones = await asyncio.gather(*(engine.generate(p, sampled(1, max_tokens=1)) for p in PROMPTS))
+    assert all(len(o.output_ids) == 1 and o.finish_reason == "length" for o in ones)
+    assert len((await running).output_ids) == 200
     base = await engine.generate(PROMPTS[0], sampled(11, max_tokens=30))
     assert base.finish_reason == "length" and len(base.output_ids) == 30
     stop_id = base.output_ids[7]

@@ -408,11 +408,12 @@ class LocalEngine:
             self._fail(batch, exc)
             return
         keep = [i for i, r in enumerate(batch) if r.finish is None]
+        if not keep:  # all done after one token
+            return
         if len(keep) < len(batch):
-            cache.batch_select_indices(torch.tensor(keep))
+            cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
             mask = mask[keep]
-        if keep:
-            self._merge(cache, mask, [batch[i] for i in keep])
+        self._merge(cache, mask, [batch[i] for i in keep])
 
     def _decode(self) -> None:
         ids = torch.tensor([[r.output[-1]] for r in self._rows])
@@ -479,7 +480,7 @@ class LocalEngine:
             self._reset_batch()
             return
         self._rows = [self._rows[i] for i in keep]
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, dtype=torch.long)
         self._mask = self._mask.index_select(0, index)
         lead = int(self._mask.any(0).long().argmax())  # columns that are padding in every row
         self._mask = self._mask[:, lead:]
