@@ -17,9 +17,13 @@ one rollout per session; the direct engine call sends the very prompt ids the ga
 Added latency = p50 through the proxy - p50 direct; throughput ratio = gateway req/s over
 LiteLLM req/s at the same concurrency.
 
+Besides latency and req/s, each line reports the CPU time the measured server process used per
+request (and so req/s per core): on a shared machine that is the number noise moves least.
+
 Run: `.venv/bin/python bench/gateway/run.py` (needs the `bench` extra: `pip install -e '.[bench]'`;
-`--skip-litellm` runs without it). Numbers depend on the machine and its load: every server and
-the client share its cores.
+`--skip-litellm` runs without it). `--gateway-launcher nodelay` serves the same gateway app from
+uvicorn's own socket (see `serve_nodelay.py`: TCP_NODELAY). Numbers depend on the machine and
+its load: every server and the client share its cores.
 """
 
 from __future__ import annotations
