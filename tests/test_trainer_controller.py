@@ -126,12 +126,13 @@ async def test_synchronous_run_and_run_directory(tmp_path, tiny_model_path):
     assert (tmp_path / "config.yaml").is_file()
     assert load([f"recipe={tmp_path / 'config.yaml'}"]) == ctl.cfg  # resolved config reloads
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 3 and samples[0]["text"].startswith("1 ")
+    assert [x["step"] for x in samples] == [1, 2, 3] and samples[0]["text"].startswith("1 ")
     assert {p.name for p in summary.plots} == {"reward.png", "mismatch.png", "timeline.png"}
     AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step_000001", "step_000002", "step_000003",
-    ]  # fmt: skip
+        "step_000002",
+        "step_000003",
+    ]  # fmt: skip: run.keep_checkpoints=2
     assert "eval/success_rate: 0.000 -> 0.300" in summary.text()
 
 
@@ -179,6 +180,12 @@ async def test_resume_trains_the_same_next_batch(tmp_path, tiny_model_path):
         assert torch.equal(pa, pb)
     rows = read_metrics(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [2]
+    # resuming in place redoes step 2: metrics and samples keep one copy of each step
+    again, *_ = await run_toy(tmp_path / "a", tiny_model_path, "run.steps=2",
+                              f"run.resume={ckpt}", "rollout.max_staleness=0")  # fmt: skip
+    assert [r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [0, 1, 2]
+    lines = (tmp_path / "a" / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
 
 
 class EngineSource:

@@ -166,6 +166,8 @@ class RunConfig:
     """Train steps (weight versions) to run."""
     checkpoint_every: int = 10
     """Save a resumable checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Keep only the newest N checkpoints (each holds the model and optimizer); 0 keeps all."""
     resume: str = ""
     """Resume from a checkpoint folder, or `auto` (the latest one in the run directory, if any)."""
     samples_per_step: int = 2
@@ -175,6 +177,7 @@ class RunConfig:
         _positive("steps", self.steps)
         _non_negative("checkpoint_every", self.checkpoint_every)
         _non_negative("samples_per_step", self.samples_per_step)
+        _non_negative("keep_checkpoints", self.keep_checkpoints)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -244,11 +245,27 @@ class Controller:
         path = self.run_dir / "checkpoints" / f"step_{self.version:06d}"
         extra = {"controller": self._controller_state()}  # snapshot now, save off the loop
         await asyncio.to_thread(self.backend.save_checkpoint, path, extra)
+        keep = self.cfg.run.keep_checkpoints
+        old = sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/trainer.pt"))
+        for stale in old[:-keep] if keep else []:
+            await asyncio.to_thread(shutil.rmtree, stale, True)
 
     # -- the loop ---------------------------------------------------------------------------------
 
     async def _evaluate(self) -> dict[str, float]:
         return await self.evaluator.evaluate(self.version) if self.evaluator else {}
+
+    def _trim_samples(self, resume_step: int | None) -> None:
+        """A fresh run starts samples.jsonl empty; a resumed one drops the steps it redoes."""
+        path = self.run_dir / "samples.jsonl"
+        if not path.exists():
+            return
+        keep = []
+        if resume_step is not None:
+            keep = [
+                x for x in path.read_text().splitlines() if json.loads(x)["step"] <= resume_step
+            ]
+        path.write_text("".join(x + "\n" for x in keep))
 
     def _write_samples(self, batch: Batch) -> None:
         k = self.cfg.run.samples_per_step
@@ -256,7 +273,7 @@ class Controller:
             for traj in batch.trajectories[:k]:
                 tokens = [t for s in traj.segments for t in s.token_ids]
                 rec = {
-                    "step": self.version,
+                    "step": self.version + 1,  # the metrics.jsonl step this batch trains
                     "reward": traj.reward,
                     "status": traj.status,
                     "versions": sorted({v for s in traj.segments for v in s.versions if v >= 0}),
@@ -278,6 +295,7 @@ class Controller:
             # engines start from the initial weights: give them the resumed ones
             await self.push.push(self.backend.state_dict(), self.version)
         dump_yaml(cfg, self.run_dir / "config.yaml")
+        self._trim_samples(self.version if resume is not None else None)
         self.log = MetricsLogger(
             self.run_dir,
             tensorboard=cfg.logging.tensorboard,

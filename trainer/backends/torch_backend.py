@@ -1,10 +1,14 @@
 """The plain-torch train backend: an HF causal LM on CPU or one GPU.
 
-One train step: a no-grad forward gives the proximal log-probs (and the reference model's, for a
-KL term), then the batch is split into `num_minibatches` optimizer steps, each accumulated over
-micro-batches that fit `micro_batch_tokens` padded tokens. Log-probs are those of the sampling
-distribution, log_softmax(logits / temperature), exactly what the engine reports. `bf16` keeps
-fp32 master weights and optimizer state and runs forward/backward under bf16 autocast.
+One train step: the proximal log-probs are the policy's at the start of the step. With several
+minibatches they come from a no-grad forward first; with one (the default) they *are* the
+current log-probs, detached, since no update has happened yet, and that forward is skipped
+(a quarter of the step's compute). The reference model's log-probs (KL term) come from a
+no-grad forward. The batch is split into `num_minibatches` optimizer steps, each accumulated
+over micro-batches that fit `micro_batch_tokens` padded tokens. Log-probs are those of the
+sampling distribution, log_softmax(logits / temperature), exactly what the engine reports.
+`bf16` keeps fp32 master weights and optimizer state and runs forward/backward under bf16
+autocast.
 """
 
 from __future__ import annotations
@@ -186,7 +190,8 @@ class TorchBackend:
         for s in samples:
             if not len(s.token_ids) == len(s.loss_mask) == len(s.logprobs):
                 raise ValueError("a sample's token_ids, loss_mask and logprobs differ in length")
-        proximal = self._score(self.model, samples)
+        separate_proximal = self.algorithm.num_minibatches > 1 and len(samples) > 1
+        proximal = self._score(self.model, samples) if separate_proximal else None
         ref = self._score(self.ref_model, samples) if self.ref_model is not None else None
         lr = self.optimizer.param_groups[0]["lr"]
         k = min(self.algorithm.num_minibatches, len(samples))
@@ -202,7 +207,6 @@ class TorchBackend:
                 ids, attn = self._inputs(rows)
                 mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
                 behaviour = self._pad([s.logprobs for s in rows], 0.0, torch.float32)
-                prox = self._pad([proximal[i].tolist() for i in mb], 0.0, torch.float32)
                 adv = torch.tensor([s.advantage for s in rows], device=self.device)
                 adv = adv[:, None].expand_as(mask)
                 with self._autocast():
@@ -214,6 +218,10 @@ class TorchBackend:
                         self.algorithm.entropy_coef > 0,
                         score_mask=mask,
                     )
+                if proximal is None:
+                    prox = logp.detach()
+                else:
+                    prox = self._pad([proximal[i].tolist() for i in mb], 0.0, torch.float32)
                 out = policy_loss(
                     self.algorithm,
                     logp,
