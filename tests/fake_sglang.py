@@ -706,7 +706,7 @@ def serve_fake(*args: str, port: int | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=2)  # uvicorn waits for open streams; do not wait long
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
