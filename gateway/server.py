@@ -176,6 +176,7 @@ class Gateway:
         self._paused = False
         self._healthy = True
         self._health_task: asyncio.Task | None = None
+        self._closing = False
         self._owns_engine = False
         self.app = Starlette(routes=self._routes())
 
@@ -277,6 +278,7 @@ class Gateway:
         return server
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(BaseException):
@@ -361,13 +363,15 @@ class Gateway:
         return wrapped
 
     def _ensure_started(self) -> None:
-        if self._health_task is None:
+        if self._health_task is None and not self._closing:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def _health_loop(self) -> None:
-        while True:
+        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+        while not self._closing:
             try:
-                self._healthy = bool(await asyncio.wait_for(self.engine.health(), 10))
+                async with asyncio.timeout(10):
+                    self._healthy = bool(await self.engine.health())
             except Exception:
                 self._healthy = False
             await asyncio.sleep(self.cfg.health_interval_s)
