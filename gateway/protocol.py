@@ -194,6 +194,10 @@ class ResponsesRequest(_Loose):
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    """Extension (not in OpenAI's Responses API): stop strings, as in chat completions."""
+    seed: int | None = None
+    """Extension: a sampling seed, as in chat completions."""
 
 
 # ---------------------------------------------------------------------------------------------

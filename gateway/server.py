@@ -1192,8 +1192,8 @@ class Gateway:
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=None,
-            seed=None,
-            stops=[],
+            seed=req.seed,
+            stops=_stops(req.stop),
             endpoint="responses",
         )
         rid, created = "resp_" + job.request_id, int(time.time())
