@@ -1,18 +1,22 @@
 """`loongsage/Calc-v0`: arithmetic word problems with a `calculator` tool.
 
 Tasks are generated (no download): a person starts with some items and a few events change the
-count ("buys 7 more", "packs them into 4 equal boxes and keeps one"). Every intermediate value is
+count ("gets 7 more", "splits them into 4 equal groups and keeps one"). Every intermediate value is
 a non-negative integer. `difficulty` (0-3, or "easy"/"medium"/"hard"/"expert") sets the number
 of steps, the operations and the size of the numbers:
 
-    0  one step, + or -, numbers up to 20       (the CPU quickstart trains on this)
+    0  one step, + or -, numbers up to 10       (the CPU quickstart trains on this)
     1  one step, + - x /, numbers up to 100
     2  two steps, + - x /, numbers up to 500
     3  three steps, + - x /, numbers up to 5000 (the calculator pays off)
 
-The reward is 1.0 when the final message has a line `Answer: <number>` (or `\\boxed{<number>}`)
-whose number equals the answer (whitespace, `**`, thousands commas and a trailing period are
-forgiven; "42.0" equals 42; "42 apples" does not), else 0.0.
+`calculator=False` removes the tool (and the tool text from the system prompt): a 135M model
+given the tool schemas tends to echo them instead of answering.
+
+The task text ends by asking for `Answer: <number>`. The reward is 1.0 when the final message's
+last `Answer:` (rest of its line; else the last `\\boxed{...}`) is the right number (whitespace,
+`**`, thousands commas and a trailing period are forgiven; "42.0" equals 42; "42 apples" and
+"The answer is 42" do not count), else 0.0.
 """
 
 from __future__ import annotations
@@ -43,17 +47,25 @@ class CalcEnv(ToolEnv):
 
     answer_format = "End your final answer with a line of the form `Answer: <number>`."
 
-    def __init__(self, *, difficulty: int | str = 0, max_turns: int = 4, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        difficulty: int | str = 0,
+        calculator: bool = True,
+        max_turns: int = 4,
+        **kwargs: Any,
+    ) -> None:
         level = LEVELS.get(difficulty, difficulty) if isinstance(difficulty, str) else difficulty
         if level not in _PARAMS:
             raise ValueError(
                 f"difficulty={difficulty!r}: pass 0, 1, 2, 3 or one of {sorted(LEVELS)}"
             )
         self.difficulty = level
+        self.use_calculator = calculator
         super().__init__(max_turns=max_turns, **kwargs)
 
     def tools(self):
-        return [calculator]
+        return [calculator] if self.use_calculator else []
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         steps, ops, (lo, hi), (alo, ahi), (flo, fhi) = _PARAMS[self.difficulty]

@@ -358,6 +358,14 @@ def test_max_turns_truncates_with_zero_reward():
         env.step("Answer: 2")
 
 
+def test_calc_without_calculator_has_no_tools():
+    env = gym.make("loongsage/Calc-v0", calculator=False)
+    _, info = env.reset(seed=0)
+    assert info["tools"] == [] and "function-calling" not in info["system"]
+    obs, _, terminated, _, _ = env.step(message(call("calculator", {"expression": "1+1"})))
+    assert "unknown tool 'calculator'" in obs and not terminated
+
+
 def test_caller_mistakes_are_errors():
     env = gym.make("loongsage/Calc-v0").unwrapped
     with pytest.raises(RuntimeError, match="reset"):
