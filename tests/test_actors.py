@@ -190,3 +190,17 @@ def test_push_rejects_engines_in_this_process(tiny_model_path):
         RayObjectStorePush([object()])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="rollout.partial_rollout"):
         RayObjectStorePush([], "drop")
+
+
+def test_ray_backend_checkpoints_round_trip(backend, tmp_path):
+    backend.save_checkpoint(tmp_path / "ckpt", {"data": [1, 2]})
+    step = backend.step
+    before = backend.logprobs(SAMPLES)
+    backend.train_step(SAMPLES)
+    assert backend.load_checkpoint(tmp_path / "ckpt") == {"data": [1, 2]}
+    assert backend.step == step
+    assert backend.logprobs(SAMPLES) == before
+    backend.save_hf(tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
+    with pytest.raises(ValueError, match="run.resume"):
+        backend.load_checkpoint(tmp_path / "missing")

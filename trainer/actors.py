@@ -112,19 +112,48 @@ def unpack_state(packed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cause(exc: RayTaskError) -> BaseException:
+    """The exception the remote code raised (Ray's wrapper adds a traceback to the message)."""
+    return exc.cause if isinstance(exc.cause, Exception) else exc
+
+
+def _unwrap(get: Any, ref: ray.ObjectRef) -> Any:
+    try:
+        return get(ref)
+    except RayTaskError as exc:
+        raise _cause(exc) from None
+
+
 class RemoteState(Mapping[str, torch.Tensor]):
     """A state dict living in Ray's object store (written by `pack_state`).
 
     Weight pushes pass `ref` to engine actors without touching the data; indexing or iterating
     pulls it into this process once (the fallback for receivers that are not Ray actors)."""
 
-    def __init__(self, ref: ray.ObjectRef, nbytes: int, created: float | None = None) -> None:
+    def __init__(
+        self, ref: ray.ObjectRef, nbytes: int | ray.ObjectRef, created: float | None = None
+    ) -> None:
         self.ref = ref
-        self.nbytes = nbytes
-        """Bytes of weights (tied weights once)."""
+        self._nbytes = nbytes  # an ObjectRef while the producer is still writing the weights
         self.created = time.perf_counter() if created is None else created
         """When the producer was asked for it (push timings start here)."""
         self._local: dict[str, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights (tied weights once); blocks until the producer has written them."""
+        if isinstance(self._nbytes, ray.ObjectRef):
+            self._nbytes = _unwrap(ray.get, self._nbytes)
+        return self._nbytes
+
+    async def ready(self) -> int:
+        """Wait, without pulling the weights here, until they are in the store; the bytes."""
+        if isinstance(self._nbytes, ray.ObjectRef):
+            try:
+                self._nbytes = await self._nbytes
+            except RayTaskError as exc:
+                raise _cause(exc) from None
+        return self._nbytes
 
     @classmethod
     def put(cls, state: Mapping[str, torch.Tensor]) -> RemoteState:
@@ -135,7 +164,7 @@ class RemoteState(Mapping[str, torch.Tensor]):
 
     def _pull(self) -> dict[str, torch.Tensor]:
         if self._local is None:
-            self._local = unpack_state(ray.get(self.ref))
+            self._local = unpack_state(_unwrap(ray.get, self.ref))
         return self._local
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -469,12 +498,7 @@ class RayBackend:
         self._step = self._get(handle.step.remote()) if step is None else step
 
     def _get(self, ref: ray.ObjectRef) -> Any:
-        try:
-            return ray.get(ref)
-        except RayTaskError as exc:
-            if isinstance(exc.cause, Exception):
-                raise exc.cause from None
-            raise
+        return _unwrap(ray.get, ref)
 
     @property
     def step(self) -> int:
@@ -488,10 +512,11 @@ class RayBackend:
         return self._get(self.handle.logprobs.remote(samples))
 
     def state_dict(self) -> RemoteState:  # type: ignore[override]
-        """The weights as a `RemoteState` (in the object store, not in this process)."""
-        created = time.perf_counter()
+        """The weights as a `RemoteState` (in the object store, not in this process). Returns
+        at once (safe on an event loop); the backend actor writes them in the background and
+        calls made after this one see them taken before the next train step."""
         packed_ref, nbytes_ref = self.handle.state_dict.remote()
-        return RemoteState(packed_ref, self._get(nbytes_ref), created)
+        return RemoteState(packed_ref, nbytes_ref)
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self._get(self.handle.save_checkpoint.remote(Path(path), extra))
@@ -547,10 +572,12 @@ class RayObjectStorePush:
             state = state_dict
         else:
             state = await asyncio.to_thread(RemoteState.put, state_dict)
-        await asyncio.gather(*(self._one(e, state, version) for e in self.engines))
+        nbytes, *_ = await asyncio.gather(
+            state.ready(), *(self._one(e, state, version) for e in self.engines)
+        )
         return PushReport(
             version=version,
-            bytes=state.nbytes,
+            bytes=nbytes,
             seconds=time.perf_counter() - state.created,
             receivers=len(self.engines),
         )
