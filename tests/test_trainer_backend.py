@@ -190,3 +190,21 @@ def test_bad_samples_are_rejected(tiny_model_path):
         backend.train_step([])
     with pytest.raises(ValueError, match="differ in length"):
         backend.train_step([TrainSample([1, 2, 3], [0, 1], [0.0, 0.0, 0.0], 1.0)])
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_step(tiny_model_path, tmp_path):
+    backend = make(tiny_model_path, device="cuda", dtype="bf16")
+    assert next(backend.model.parameters()).device.type == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for s, lp in zip(BATCH, backend.logprobs(BATCH), strict=True):
+        ids = torch.tensor([s.token_ids])
+        with torch.no_grad():
+            want = torch.log_softmax(model(ids).logits[0, :-1] / 0.7, -1).gather(
+                -1, ids[0, 1:, None]
+            )
+        assert torch.allclose(torch.tensor(lp[1:]), want[:, 0], atol=0.05)  # bf16 autocast
+    m = backend.train_step(on_policy(backend, BATCH))
+    assert all(math.isfinite(v) for v in m.values())
+    backend.save_checkpoint(tmp_path / "ckpt", {})
+    assert backend.load_checkpoint(tmp_path / "ckpt") == {}
