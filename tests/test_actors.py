@@ -12,6 +12,7 @@ import torch
 from gateway.engines import EngineConfig
 from gateway.engines.base import EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
+from gateway.engines.router import Router
 from trainer.actors import (
     RayObjectStorePush,
     RemoteState,
@@ -179,7 +180,11 @@ async def test_object_store_push_serves_the_backends_weights(ray_local, backend,
     again = await RayObjectStorePush([receiver], "abort_resubmit").push(dict(state), version + 1)
     assert again.bytes == state.nbytes and receiver.weight_version == version + 1
 
-    await receiver.close()  # the actor is gone: calls are engine errors, health is False
+    # Behind the gateway's Router like any engine; closing the router ends the actor.
+    router = Router([receiver])
+    routed = await router.generate(PROMPT, GREEDY, session_id="s1")
+    assert routed.output_ids == want.output_ids and router.weight_version == version + 1
+    await router.close()  # the actor is gone: calls are engine errors, health is False
     with pytest.raises(EngineError, match="engine actor"):
         await receiver.generate(PROMPT, GREEDY)
     assert not await receiver.health()

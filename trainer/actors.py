@@ -56,7 +56,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
     `address=None` starts a local Ray with `num_cpus` CPUs (default 2), no dashboard, no usage
     stats and warnings-only logs; otherwise joins the cluster at `address` (e.g. `"auto"` or
-    `"ray://head:10001"`), where `num_cpus` is ignored (the cluster owns its resources)."""
+    `"head:6379"`), where `num_cpus` is ignored (the cluster owns its resources) and every node
+    needs this package installed, since actors import `gateway` and `trainer`."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -65,7 +66,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             num_cpus=2 if num_cpus is None else num_cpus,
             include_dashboard=False,
             logging_level=logging.WARNING,
-            configure_logging=True,
         )
     else:
         ray.init(address=address, logging_level=logging.WARNING)
