@@ -14,8 +14,9 @@ older than the policy it trains.
 
 Batcher: a group is complete when all its samples are back. Aborted/errored samples are dropped
 from it and recorded; a group with fewer than 2 usable samples, with all-equal rewards (when
-zero-variance filtering is on) or too stale is dropped with its reason. Complete groups wait in
-arrival order; `pop_batch` takes the oldest `batch_size` of them.
+zero-variance filtering is on) or too stale is dropped with its reason. Complete groups wait;
+`pop_batch` takes `batch_size` of them, those with the oldest tokens first (stable sort, so
+arrival order among equals), which keeps stale drops rare when generation runs ahead.
 """
 
 from __future__ import annotations
@@ -199,24 +200,27 @@ class GroupBatcher:
     def num_ready(self) -> int:
         return len(self.ready)
 
+    @staticmethod
+    def _oldest(group: Group, default: int) -> int:
+        olds = [oldest_version(t) for t in group.trajectories]
+        return min((v for v in olds if v is not None), default=default)
+
     def drop_stale(self, version: int) -> int:
         """Drop waiting groups with a token older than version - max_staleness; return how many."""
-        keep, stale = [], 0
-        for group in self.ready:
-            olds = [oldest_version(t) for t in group.trajectories]
-            oldest = min((v for v in olds if v is not None), default=version)
-            if version - oldest > self.max_staleness:
-                stale += 1
-            else:
-                keep.append(group)
+        keep = [g for g in self.ready if version - self._oldest(g, version) <= self.max_staleness]
+        stale = len(self.ready) - len(keep)
         self.ready = keep
         self.drops["stale"] += stale
         return stale
 
     def pop_batch(self, version: int) -> Batch:
-        """The oldest batch_size waiting groups (call drop_stale first; needs enough ready)."""
+        """batch_size waiting groups, those with the oldest tokens first (they are the next to
+        go stale), then by arrival. Call drop_stale first; needs a full batch ready."""
         assert len(self.ready) >= self.batch_size, "pop_batch without a full batch ready"
-        groups, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size :]
+        order = sorted(range(len(self.ready)), key=lambda i: self._oldest(self.ready[i], version))
+        chosen = set(order[: self.batch_size])
+        groups = [g for i, g in enumerate(self.ready) if i in chosen]
+        self.ready = [g for i, g in enumerate(self.ready) if i not in chosen]
         # Train in a fixed order whatever the completion order: reproducible steps and resumes.
         groups.sort(key=lambda g: g.group_id)
         for g in groups:
