@@ -208,3 +208,39 @@ def test_cuda_bf16_step(tiny_model_path, tmp_path):
     assert all(math.isfinite(v) for v in m.values())
     backend.save_checkpoint(tmp_path / "ckpt", {})
     assert backend.load_checkpoint(tmp_path / "ckpt") == {}
+
+
+def test_samples_from_batch_broadcasts_group_advantages_to_segments():
+    from gateway.trajectory import Segment, Trajectory
+    from trainer.backends import samples_from_batch
+    from trainer.buffer import Batch, Group
+
+    def traj(reward, segments):
+        return Trajectory("s", reward=reward, segments=segments)
+
+    two_segments = [
+        Segment([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.6], [-1, 0, 0]),
+        Segment([1, 9, 4], [0, 0, 1], [0.0, 0.0, -0.7], [-1, -1, 0]),
+    ]
+    prompt_only = Segment([1, 2], [0, 0], [0.0, 0.0], [-1, -1])  # nothing to train on
+    group = Group(0, "p", 0, expected=3)
+    group.trajectories = [
+        traj(1.0, two_segments),
+        traj(0.0, [Segment([1, 5], [0, 1], [0.0, -0.1], [-1, 0]), prompt_only]),
+    ]
+    group.dropped = [Trajectory("x", status="aborted", reward=1.0)]
+    batch = Batch(groups=[group], version=0, staleness={})
+    samples = samples_from_batch(batch, "drgrpo")  # mean 0.5 -> +0.5, -0.5
+    assert [(s.token_ids, s.advantage) for s in samples] == [
+        ([1, 2, 3], 0.5),
+        ([1, 9, 4], 0.5),
+        ([1, 5], -0.5),
+    ]
+    assert samples[0].logprobs == [0.0, -0.5, -0.6] and samples[1].loss_mask == [0, 0, 1]
+
+
+def test_make_backend_builds_the_torch_backend(tiny_model_path):
+    from trainer.config import load
+
+    backend = make_backend(load(["recipe=tiny", "train.device=cpu"]))
+    assert isinstance(backend, TorchBackend) and backend.step == 0
