@@ -38,12 +38,14 @@ def test_builtin_ids_registered_under_namespace():
 
 @pytest.mark.parametrize("env_id", LOONGSAGE_IDS)
 def test_check_env_passes_without_warnings(env_id):
-    env = gym.make(env_id)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # any gymnasium checker warning fails the test
+        warnings.simplefilter("error")  # any warning (make's passive checker, check_env) fails
+        env = gym.make(env_id)
         check_env(env.unwrapped)
-    env.close()
-    env.close()  # safe twice
+        env.reset(seed=0)
+        env.step("Answer: 0")  # through make's wrappers (order enforcing, passive checker)
+        env.close()
+        env.close()  # safe twice
 
 
 @pytest.mark.parametrize("env_id", LOONGSAGE_IDS)
