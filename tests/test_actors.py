@@ -180,10 +180,26 @@ async def test_object_store_push_serves_the_backends_weights(ray_local, backend,
     again = await RayObjectStorePush([receiver], "abort_resubmit").push(dict(state), version + 1)
     assert again.bytes == state.nbytes and receiver.weight_version == version + 1
 
+    # A push while a request streams: its later tokens carry the new version (partial rollout).
+    # Paused in place around the push so the request cannot finish first on a fast machine.
+    stream = receiver.stream(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True), "mid")
+    versions = list((await anext(stream)).versions)
+    await receiver.pause("in_place")
+    await RayObjectStorePush([receiver]).push(state, version + 2)
+    await receiver.resume()
+    aborted = False
+    async for chunk in stream:
+        versions += chunk.versions
+        if versions[-1] == version + 2 and not aborted:
+            aborted = True
+            await receiver.abort("mid")
+    assert versions[0] == version + 1 and versions[-1] == version + 2
+    assert versions == sorted(versions) and len(versions) < 1000
+
     # Behind the gateway's Router like any engine; closing the router ends the actor.
     router = Router([receiver])
     routed = await router.generate(PROMPT, GREEDY, session_id="s1")
-    assert routed.output_ids == want.output_ids and router.weight_version == version + 1
+    assert routed.output_ids == want.output_ids and router.weight_version == version + 2
     await router.close()  # the actor is gone: calls are engine errors, health is False
     with pytest.raises(EngineError, match="engine actor"):
         await receiver.generate(PROMPT, GREEDY)

@@ -388,15 +388,16 @@ class RayEngine:
         its reference, so the weights never go through this process."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an integer, got {version!r}")
-        remote = state if isinstance(state, RemoteState) else RemoteState.put(state)
-        await self.update_from(remote, version)
+        if not isinstance(state, RemoteState):
+            state = await asyncio.to_thread(RemoteState.put, state)  # a memcpy: off the loop
+        await self.update_from(state, version)
 
     async def update_from(self, state: RemoteState, version: int) -> float:
         """Apply weights already in the object store; returns the actor's apply seconds."""
         seconds = await self._call(
             "update_weights", self.handle.update_weights.remote(state.ref, version)
         )
-        self._seen(version)
+        self._version = version  # exactly: a resumed run may push an older version
         return seconds
 
     async def health(self) -> bool:
