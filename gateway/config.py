@@ -176,6 +176,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return dict(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     if (

@@ -33,6 +33,7 @@ def test_defaults_recipe_and_overrides(tmp_path):
     recipe.write_text("port: 9000\nengine:\n  kind: sglang\n")
     cfg = load_config(Outer, recipe, ["engine.urls=[http://a, http://b]", "lr=1", "name=x"])
     assert cfg.port == 9000 and cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    assert load_config(Outer, None, ["lr=1e-4"]).lr == 1e-4
     assert cfg.engine == Inner(kind="sglang", urls=["http://a", "http://b"])
     assert cfg.name == "x"
 
