@@ -154,15 +154,14 @@ def parse_tool_call_json(raw: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
+    if isinstance(args, str):  # some models double-encode the arguments
         try:
-            json.loads(args)
+            args = json.loads(args)
         except ValueError:
             return None
-        arguments = args
-    else:
-        arguments = json.dumps(args, ensure_ascii=False)
-    return ToolCall(name=obj["name"], arguments=arguments)
+    if not isinstance(args, dict):  # OpenAI arguments (and Anthropic input) are JSON objects
+        return None
+    return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:

@@ -605,11 +605,21 @@ class Gateway:
             prefill = '<tool_call>\n{"name": "'
         elif isinstance(tool_choice, tuple):
             name = tool_choice[1]
-            if not any(t["function"]["name"] == name for t in tools or ()):
+            tool = next((t for t in tools or () if t["function"]["name"] == name), None)
+            if tool is None:
                 raise ApiError(
                     400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
                 )
-            prefill = '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+            # The call is forced by writing its start into the prompt (any engine can do that;
+            # no constrained decoding): up to the first argument's opening quote when it has
+            # parameters, which keeps small models on the JSON-object track.
+            has_params = bool((tool["function"].get("parameters") or {}).get("properties"))
+            prefill = (
+                '<tool_call>\n{"name": '
+                + json.dumps(name)
+                + ', "arguments": {'
+                + ('"' if has_params else "")
+            )
         elif tool_choice == "required" and not tools:
             raise ApiError(400, "tool_choice=required needs tools", param="tool_choice")
         try:
