@@ -38,6 +38,7 @@ async def run_tool_episode(
     max_turns: int = 6,
     temperature: float = 1.0,
     max_tokens: int = 256,
+    sample_seed: int | None = None,
 ) -> Episode:
     """Run one episode of `env` with the model behind `client` (envs/base.py has the contract)."""
     obs, info = await asyncio.to_thread(env.reset, seed=seed, options=options)
@@ -55,6 +56,7 @@ async def run_tool_episode(
                 tools=tools,
                 temperature=temperature,
                 max_tokens=max_tokens,
+                seed=openai.NOT_GIVEN if sample_seed is None else sample_seed + episode.turns,
             )
         except openai.BadRequestError as e:
             # Typically the history outgrew the context window: the episode ends, scored 0.

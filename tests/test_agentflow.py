@@ -9,7 +9,8 @@ from envs import EnvError
 from gateway.engines.local import LocalEngine
 from gateway.server import Gateway, GatewayConfig
 from sandbox import SandboxConfig
-from trainer.agentflow import AgentConfig, AgentFlow
+from trainer.agentflow import AgentFlow
+from trainer.config import AgentConfig, RolloutConfig
 
 
 @pytest.fixture
@@ -29,11 +30,11 @@ def assert_token_exact(traj):
 
 
 async def test_white_box_rollout_is_one_token_exact_trajectory(gateway):
-    flow = AgentFlow(gateway, "loongsage/Calc-v0", {"difficulty": 0}, AgentConfig(max_tokens=16))
-    traj = await flow.rollout(seed=3, metadata={"group": 7})
+    rollout = RolloutConfig(env_kwargs={"difficulty": 0}, max_tokens=16)
+    traj = await AgentFlow(gateway, rollout).rollout(3, group_id=7, sample_index=1, seed=11)
     assert traj.status == "ok", traj.reason
     assert traj.reward == 0.0  # random weights never answer right
-    assert traj.metadata["group"] == 7 and traj.metadata["env_id"] == "loongsage/Calc-v0"
+    assert traj.metadata["group_id"] == 7 and traj.metadata["task_seed"] == 3
     assert traj.info["turns"] == len(traj.turns) >= 1
     assert_token_exact(traj)
     assert all(v == gateway.weight_version for t in traj.turns for v in t.output_versions)
@@ -46,16 +47,20 @@ class BrokenEnv(gym.Env):
 
 async def test_env_failure_is_an_error_trajectory_not_a_crash(gateway):
     gym.register("test/Broken-v0", entry_point=BrokenEnv, disable_env_checker=True)
-    traj = await AgentFlow(gateway, "test/Broken-v0").rollout(seed=0)
+    traj = await AgentFlow(gateway, RolloutConfig(env="test/Broken-v0")).rollout(0)
     assert traj.status == "error" and "could not start" in traj.reason
     assert traj.reward == 0.0 and traj.turns == []
 
 
-def test_command_agent_needs_a_command_and_a_socket(gateway):
-    with pytest.raises(ValueError, match="agent.command"):
-        AgentFlow(gateway, "loongsage/Calc-v0", cfg=AgentConfig(kind="command"))
+def test_bad_agent_configs_are_clear_errors(gateway):
+    with pytest.raises(ValueError, match="command: kind=command needs"):
+        AgentConfig(kind="command")
+    with pytest.raises(ValueError, match="files: 'nope.py'"):
+        AgentConfig(kind="command", command=["true"], files={"a.py": "nope.py"})
     with pytest.raises(ValueError, match="Unix socket"):
-        AgentFlow(gateway, "loongsage/Calc-v0", cfg=AgentConfig(kind="command", command=["true"]))
+        AgentFlow(gateway, RolloutConfig(), AgentConfig(kind="command", command=["true"]))
+    with pytest.raises(gym.error.Error, match="Did you mean"):
+        AgentFlow(gateway, RolloutConfig(env="loongsage/Calk-v0"))
 
 
 @pytest.mark.parametrize(
@@ -73,10 +78,8 @@ async def test_black_box_rollout_outcomes(gateway, tmp_path, command, status, re
         cfg = AgentConfig(
             kind="command", command=command, timeout_s=5, sandbox=SandboxConfig(kind="local")
         )
-        flow = AgentFlow(
-            gateway, "loongsage/Calc-v0", cfg=cfg, gateway_socket=str(tmp_path / "gw.sock")
-        )
-        traj = await flow.rollout(seed=1)
+        flow = AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=str(tmp_path / "gw.sock"))
+        traj = await flow.rollout(1)
     finally:
         await server.stop()
     assert traj.status == status and reason in traj.reason
@@ -97,9 +100,7 @@ async def test_unmodified_openai_agent_in_a_sandbox_is_trained_on(gateway, tmp_p
             timeout_s=120,
             sandbox=SandboxConfig(kind="local"),
         )
-        traj = await AgentFlow(gateway, "loongsage/Calc-v0", cfg=cfg, gateway_socket=sock).rollout(
-            seed=2
-        )
+        traj = await AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=sock).rollout(2)
     finally:
         await server.stop()
     assert traj.status == "ok", (traj.reason, traj.info)

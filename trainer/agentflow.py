@@ -20,9 +20,8 @@ import asyncio
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import gymnasium as gym
 
@@ -31,30 +30,10 @@ from envs import EnvError
 from envs.agent import Episode, run_tool_episode
 from gateway.server import Gateway
 from gateway.trajectory import Trajectory
-from sandbox import SandboxConfig, run_once
+from sandbox import run_once
+from trainer.config import AgentConfig, RolloutConfig
 
 log = logging.getLogger("loongsage.agentflow")
-
-
-@dataclass
-class AgentConfig:
-    kind: Literal["tool_loop", "command"] = "tool_loop"
-    """`tool_loop`: the built-in white-box agent steps the env; `command`: a black-box program
-    runs in a sandbox and the env's verifier scores its `answer.txt`."""
-    max_turns: int = 6
-    """Most model calls in one white-box episode."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts (the trainer scales its logits by the same value)."""
-    max_tokens: int = 256
-    """Most tokens per model call."""
-    command: list[str] = field(default_factory=list)
-    """Black-box: the command to run in the sandbox, e.g. [python3, agent.py]."""
-    files: dict[str, str] = field(default_factory=dict)
-    """Black-box: sandbox path -> host file to copy in (e.g. {agent.py: examples/agents/openai_tool_agent.py})."""
-    timeout_s: float = 300.0
-    """Black-box: wall-time limit of one agent run."""
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    """Black-box: the sandbox each rollout runs in (a fresh one per rollout)."""
 
 
 class AgentFlow:
@@ -63,56 +42,57 @@ class AgentFlow:
     def __init__(
         self,
         gateway: Gateway,
-        env_id: str,
-        env_kwargs: dict[str, Any] | None = None,
-        cfg: AgentConfig | None = None,
+        rollout: RolloutConfig,
+        agent: AgentConfig | None = None,
         *,
         gateway_socket: str | None = None,
     ) -> None:
         self.gateway = gateway
-        self.env_id = env_id
-        self.env_kwargs = dict(env_kwargs or {})
-        self.cfg = cfg or AgentConfig()
+        self.rollout_cfg = rollout
+        self.cfg = agent or AgentConfig()
         self.gateway_socket = gateway_socket
-        self._agent_files: dict[str, str | bytes] = {}
-        for inside, host in self.cfg.files.items():
-            if not Path(host).is_file():
-                raise ValueError(f"agent.files: {host!r} (for {inside!r}) is not a file")
-            self._agent_files[inside] = Path(host).read_bytes()
-        if self.cfg.kind == "command" and not self.cfg.command:
-            raise ValueError(
-                "agent.command: kind=command needs the command to run, e.g. [python3, agent.py]"
-            )
         if self.cfg.kind == "command" and gateway_socket is None:
             raise ValueError(
-                "kind=command needs the gateway's Unix socket (gateway uds) to bind into the sandbox"
+                "agent.kind=command needs the gateway's Unix socket to bind into the sandbox"
             )
+        gym.spec(rollout.env)  # an unknown env id fails here, with gymnasium's suggestion
+        self._agent_files = {k: Path(v).read_bytes() for k, v in self.cfg.files.items()}
 
     async def rollout(
         self,
+        prompt: Any,
         *,
+        group_id: int = 0,
+        sample_index: int = 0,
         seed: int | None = None,
         options: dict[str, Any] | None = None,
-        metadata: dict[str, Any] | None = None,
     ) -> Trajectory:
-        """Run one episode in a fresh session and return its closed Trajectory."""
-        meta = {"env_id": self.env_id, "seed": seed, **(options or {}), **(metadata or {})}
+        """One episode of the env task drawn with `reset(seed=prompt)` (a GRPO group shares the
+        prompt), sampled with seed `seed`, in a fresh session; returns its closed Trajectory."""
+        r = self.rollout_cfg
+        meta = {
+            "env": r.env,
+            "task_seed": prompt,
+            "group_id": group_id,
+            "sample_index": sample_index,
+        }
         session_id, api_key = self.gateway.create_session(meta)
-        env = gym.make(self.env_id, **self.env_kwargs)
+        env = gym.make(r.env, **r.env_kwargs)
         try:
             if self.cfg.kind == "tool_loop":
                 episode = await run_tool_episode(
                     self.gateway.openai_client(api_key, max_retries=8),
                     self.gateway.model_name,
                     env,
-                    seed=seed,
+                    seed=prompt,
                     options=options,
-                    max_turns=self.cfg.max_turns,
-                    temperature=self.cfg.temperature,
-                    max_tokens=self.cfg.max_tokens,
+                    max_turns=r.max_turns,
+                    temperature=r.temperature,
+                    max_tokens=r.max_tokens,
+                    sample_seed=seed,
                 )
             else:
-                episode = await self._run_command(env, session_id, api_key, seed, options)
+                episode = await self._run_command(env, api_key, prompt, options)
         except EnvError as e:
             episode = Episode(status="error", reason=f"env failed: {e}")
         except Exception as e:  # a bug in an agent or env must not take the run down
@@ -128,7 +108,6 @@ class AgentFlow:
     async def _run_command(
         self,
         env: gym.Env,
-        session_id: str,
         api_key: str,
         seed: int | None,
         options: dict[str, Any] | None,

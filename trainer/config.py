@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.config import parse_cli
+from gateway.engines import EngineConfig
+from sandbox import SandboxConfig
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -42,7 +44,9 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     env: str = "loongsage/Calc-v0"
-    """Registered Gymnasium env id the agent plays (white-box rollouts)."""
+    """Registered Gymnasium env id: its tasks are the prompts, its verifier gives the reward."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `gymnasium.make(env, ...)`, e.g. {difficulty: 0}."""
     num_samples_per_prompt: int = 8
     """Samples per prompt: one GRPO group; advantages are normalized within it."""
     batch_size: int = 4
@@ -72,6 +76,32 @@ class RolloutConfig:
         _positive("temperature", self.temperature)
         _positive("max_tokens", self.max_tokens)
         _positive("max_turns", self.max_turns)
+
+
+@dataclass
+class AgentConfig:
+    kind: Literal["tool_loop", "command"] = "tool_loop"
+    """`tool_loop`: the built-in white-box agent steps the env; `command`: a black-box program
+    runs in a sandbox and the env's verifier scores the `answer.txt` it leaves."""
+    command: list[str] = field(default_factory=list)
+    """kind=command: the program to run, e.g. [python3, agent.py]; `{task}` is replaced by the
+    task text (it is also in task.txt)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """kind=command: sandbox path -> host file copied in, e.g. {agent.py: examples/agents/openai_tool_agent.py}."""
+    timeout_s: float = 300.0
+    """kind=command: wall-time limit of one agent run."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """kind=command: the sandbox each rollout runs in (a fresh one per rollout)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "command" and not self.command:
+            raise ValueError(
+                "command: kind=command needs the program to run, e.g. [python3, agent.py]"
+            )
+        for inside, host in self.files.items():
+            if not Path(host).is_file():
+                raise ValueError(f"files: {host!r} (for {inside!r}) is not a file")
+        _positive("timeout_s", self.timeout_s)
 
 
 @dataclass
@@ -195,12 +225,23 @@ class LoggingConfig:
 @dataclass
 class TrainerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """What is rolled out, how much, and how stale it may be."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Which agent plays the env: the white-box tool loop or a black-box command."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The inference engine(s) behind the gateway."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and the policy loss."""
     train: TrainBackendConfig = field(default_factory=TrainBackendConfig)
+    """The train backend and its optimizer."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation on the env's eval split."""
     run: RunConfig = field(default_factory=RunConfig)
+    """Run directory, length, seed, checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where metrics go besides metrics.jsonl."""
 
 
 def load(argv: list[str]) -> TrainerConfig:
