@@ -273,14 +273,17 @@ def content_text(content: Any, where: str) -> str:
 
 
 def message_key(msg: Message) -> tuple:
-    """What identifies a message for history matching: role, text, tool calls (ids ignored)."""
+    """What identifies a message for history matching: role, text, tool calls (ids ignored).
+
+    Text is compared without surrounding whitespace: clients drop a whitespace-only content
+    next to tool calls (None), and some strip replies; the ids reused are the sampled ones."""
     calls = tuple(
         (c["function"]["name"], _canonical_args(c["function"].get("arguments", "")))
         for c in msg.get("tool_calls") or ()
     )
     return (
         msg["role"],
-        msg.get("content") or "",
+        (msg.get("content") or "").strip(),
         calls,
         msg.get("tool_call_id") or "",
         msg.get("name") or "" if msg["role"] != "assistant" else "",

@@ -353,3 +353,21 @@ def test_smollm2_renders_and_reuses(smollm2_path):
     assert (
         p2.ids[: len(turn.prompt_ids) + len(turn.output_ids)] == turn.prompt_ids + turn.output_ids
     )
+
+
+def test_whitespace_only_content_next_to_tool_calls_still_matches(renderer):
+    """The reply had "\\n" before its call; the client sends content None: same message."""
+    history = TokenHistory()
+    messages = [{"role": "user", "content": "add"}]
+    prompt, turn, client_msg = run_turn(
+        renderer,
+        history,
+        messages,
+        '\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+    )
+    assert client_msg["content"] == "\n"
+    client_msg["content"] = None  # what the gateway returns, and the client sends back
+    call_id = client_msg["tool_calls"][0]["id"]
+    nxt = messages + [client_msg, {"role": "tool", "tool_call_id": call_id, "content": "1"}]
+    p2, _ = history.prompt(renderer, nxt, TOOLS)
+    assert not p2.forked and p2.reused == len(turn.prompt_ids) + len(turn.output_ids) + 1
