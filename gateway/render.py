@@ -323,6 +323,7 @@ class Renderer:
                 "the tokenizer has no chat template; use an instruction-tuned model folder"
             )
         self.native_tools = "tools" in template
+        self._anchor_text: dict[bytes, str] = {}
         self.eos_ids = _eos_ids(tokenizer)
         self.special_ids = set(tokenizer.all_special_ids)
         # The text of one assistant turn around its content, found with a marker, e.g. ChatML:
@@ -450,7 +451,14 @@ class Renderer:
         """
         if self.append_only:
             anchor: list[Message] = [{"role": "system", "content": "S"}]
-            base = self.render_text(anchor, tools, add_generation_prompt=False)
+            key = tools_key(tools)
+            base = self._anchor_text.get(key)
+            if base is None:
+                if len(self._anchor_text) > 64:
+                    self._anchor_text.clear()
+                base = self._anchor_text[key] = self.render_text(
+                    anchor, tools, add_generation_prompt=False
+                )
             text = self.render_text(anchor + new, tools)
             return self.encode(text[len(base) :])
         base = self.render_text(prefix, tools, add_generation_prompt=False)
