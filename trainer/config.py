@@ -223,6 +223,21 @@ class LoggingConfig:
 
 
 @dataclass
+class RayConfig:
+    enabled: bool = True
+    """Run the local engine and the train backend as Ray actors (separate processes; weights
+    travel through Ray's object store). False keeps everything in this process."""
+    address: str | None = None
+    """Ray cluster address; None starts a local Ray (dashboard off)."""
+    num_cpus: int = 2
+    """CPUs of a local Ray."""
+    engine_cpus: float = 1.0
+    """CPUs reserved for the engine actor (it runs that many torch threads)."""
+    trainer_cpus: float = 1.0
+    """CPUs reserved for the train-backend actor (it runs that many torch threads)."""
+
+
+@dataclass
 class TrainerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
@@ -242,6 +257,8 @@ class TrainerConfig:
     """Run directory, length, seed, checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where metrics go besides metrics.jsonl."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Where the engine and the train backend run."""
 
 
 def load(argv: list[str]) -> TrainerConfig:
