@@ -13,6 +13,10 @@ of steps, the operations and the size of the numbers:
 `calculator=False` removes the tool (and the tool text from the system prompt): a 135M model
 given the tool schemas tends to echo them instead of answering.
 
+SmolLM2-135M-Instruct before training, on 48 eval tasks (HF transformers, gateway rendering,
+128 new tokens): difficulty 0 without the calculator 23% greedy, 8% at temperature 0.7, 6% at
+0.5, 0% at 1.0; with the calculator 0% (it never emits a tool call); difficulty 1 and 3: 0%.
+
 The task text ends by asking for `Answer: <number>`. The reward is 1.0 when the final message's
 last `Answer:` (rest of its line; else the last `\\boxed{...}`) is the right number (whitespace,
 `**`, thousands commas and a trailing period are forgiven; "42.0" equals 42; "42 apples" and
