@@ -1825,7 +1825,10 @@ class HttpServer:
         import uvicorn
 
         self.sockets: list[socket.socket] = []
-        tcp = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then;
+        # without it each keep-alive response waits for the client's delayed ACK (~40 ms)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        tcp = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         tcp.bind((host, port))
         self.host, self.port = host, tcp.getsockname()[1]
