@@ -13,6 +13,9 @@ so the env is `nondeterministic` (a run near its time limit may pass once and ti
 The test cases and a per-run nonce reach the harness through environment variables that it
 removes before importing the solution, so the solution cannot read them from files; this hides
 the tests from the model's view, not from a program that inspects its caller's frames.
+
+SmolLM2-135M-Instruct before training, 48 eval tasks, 256 new tokens: 25% greedy (with or
+without `run_python` offered; it never calls it), 10% at temperature 0.7.
 """
 
 from __future__ import annotations
