@@ -1610,12 +1610,8 @@ def _responses_messages(req: ResponsesRequest) -> list[Message]:
                 raise ApiError(400, str(e), param=f"{where}.content") from None
             role = "system" if role == "developer" else role
             prev = messages[-1] if messages else None
-            if (
-                role == "assistant"
-                and prev
-                and prev["role"] == "assistant"
-                and not prev.get("tool_calls")
-            ):
+            # consecutive assistant items (text and function calls, in any order) are one turn
+            if role == "assistant" and prev and prev["role"] == "assistant":
                 prev["content"] += text
             else:
                 messages.append({"role": role, "content": text})

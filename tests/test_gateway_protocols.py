@@ -119,6 +119,10 @@ async def test_responses_function_items_render_as_tool_turns(gw):
             {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
             {"type": "function_call_output", "call_id": "c1", "output": "3"},
             {"type": "reasoning", "summary": []},
+            # a streamed reply lists its items in generation order: call first, then text
+            {"type": "function_call", "call_id": "c2", "name": "add", "arguments": '{"a": 2}'},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Then."}]},
+            {"type": "function_call_output", "call_id": "c2", "output": "4"},
         ],
     }
     async with client(gw, key) as c:
@@ -129,6 +133,8 @@ async def test_responses_function_items_render_as_tool_turns(gw):
     prompt = gw.renderer.decode(gw.trajectory(sid).turns[0].prompt_ids)
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>' in prompt
     assert "<tool_response>\n3\n</tool_response>" in prompt and '"name": "add"' in prompt
+    # one assistant turn for the call + text pair, whatever their order
+    assert 'assistant\nThen.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}' in prompt
 
 
 async def test_anthropic_messages_and_stream(gw):
@@ -241,7 +247,9 @@ async def test_smollm2_forced_tool_call_all_apis(smol, stream):
                 messages=msgs, tool_choice=forced, stream=True, **kw
             )
             calls: dict[int, dict] = {}
+            content = ""
             async for ch in chunks:
+                content += (ch.choices[0].delta.content or "") if ch.choices else ""
                 for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
                     entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "args": ""})
                     entry["name"] += tc.function.name or ""
@@ -253,11 +261,12 @@ async def test_smollm2_forced_tool_call_all_apis(smol, stream):
             assert r.choices[0].finish_reason == "tool_calls"
             (tc,) = r.choices[0].message.tool_calls
             call_id, name, args = tc.id, tc.function.name, tc.function.arguments
+            content = r.choices[0].message.content
         assert name == "add" and isinstance(json.loads(args), dict)
         msgs += [
             {
                 "role": "assistant",
-                "content": None,
+                "content": content,
                 "tool_calls": [
                     {
                         "id": call_id,
@@ -333,13 +342,17 @@ async def test_smollm2_forced_tool_call_all_apis(smol, stream):
                                   if e["type"] == "content_block_delta")  # fmt: skip
                 block = {**start["content_block"], "input": json.loads(partial)}
                 assert events[-2]["delta"]["stop_reason"] == "tool_use"
+                text = "".join(e["delta"].get("text", "") for e in events
+                               if e["type"] == "content_block_delta")  # fmt: skip
+                content = ([{"type": "text", "text": text}] if text else []) + [block]
             else:
                 msg = r.json()
                 assert msg["stop_reason"] == "tool_use"
                 block = next(b for b in msg["content"] if b["type"] == "tool_use")
+                content = msg["content"]
             assert block["name"] == "add" and isinstance(block["input"], dict)
             body["messages"] += [
-                {"role": "assistant", "content": [block]},
+                {"role": "assistant", "content": content},
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": block["id"], "content": "42"}]},
             ]  # fmt: skip
