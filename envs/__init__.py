@@ -16,7 +16,16 @@ from gymnasium.envs.registration import register, registry
 
 from envs.base import AnyText, EnvError, Task, ToolEnv, extract_answer, tool_schema
 
-__all__ = ["AnyText", "EnvError", "Task", "ToolEnv", "extract_answer", "tool_schema", "ENV_IDS"]
+__all__ = [
+    "AnyText",
+    "EnvError",
+    "Task",
+    "ToolEnv",
+    "extract_answer",
+    "find_spec",
+    "tool_schema",
+    "ENV_IDS",
+]
 
 _BUILTIN = {
     "loongsage/Calc-v0": ("envs.calc:CalcEnv", False),
@@ -30,3 +39,20 @@ ENV_IDS = tuple(_BUILTIN)
 for _id, (_entry_point, _nondeterministic) in _BUILTIN.items():
     if _id not in registry:  # importing twice (e.g. reload) must not warn about re-registration
         register(id=_id, entry_point=_entry_point, nondeterministic=_nondeterministic)
+
+
+def find_spec(env_id: str):
+    """`gymnasium.spec`, also for `module:`-prefixed ids (imports the module first, like `make`).
+
+    Raises gymnasium's own error, with its closest-id suggestion, for an unknown id."""
+    import importlib
+
+    import gymnasium
+
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise gymnasium.error.Error(f"env {env_id!r}: cannot import {module!r}: {e}") from None
+    return gymnasium.spec(name)

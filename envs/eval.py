@@ -21,6 +21,7 @@ import gymnasium as gym
 from tqdm import tqdm
 
 import envs  # noqa: F401  (registers the loongsage/ envs)
+from envs import find_spec
 from envs.agent import run_tool_episode
 from gateway.config import parse_cli
 from gateway.engines import EngineConfig
@@ -156,7 +157,7 @@ async def _main(cfg: EvalConfig) -> EvalResult:
 def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_cli(EvalConfig, sys.argv[1:] if argv is None else argv)
-        gym.spec(cfg.env)
+        find_spec(cfg.env)
     except (ValueError, gym.error.Error) as e:
         raise SystemExit(f"envs.eval: {e}") from None
     start = time.monotonic()

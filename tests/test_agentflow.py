@@ -127,3 +127,11 @@ def test_eval_cli_rejects_bad_input():
         [sys.executable, "-m", "envs.eval", "env=loongsage/Calk-v0"], capture_output=True, text=True
     )
     assert out.returncode != 0 and "Did you mean: `Calc`" in out.stderr
+
+
+def test_module_prefixed_env_ids_are_found():
+    from envs import find_spec
+
+    assert find_spec("envs:loongsage/Calc-v0").id == "loongsage/Calc-v0"
+    with pytest.raises(gym.error.Error, match="cannot import"):
+        find_spec("no_such_pkg:x/Y-v0")

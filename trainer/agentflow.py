@@ -26,7 +26,7 @@ from typing import Any
 import gymnasium as gym
 
 import envs  # noqa: F401  (registers the loongsage/ envs)
-from envs import EnvError
+from envs import EnvError, find_spec
 from envs.agent import Episode, run_tool_episode
 from gateway.server import Gateway
 from gateway.trajectory import Trajectory
@@ -55,7 +55,7 @@ class AgentFlow:
             raise ValueError(
                 "agent.kind=command needs the gateway's Unix socket to bind into the sandbox"
             )
-        gym.spec(rollout.env)  # an unknown env id fails here, with gymnasium's suggestion
+        find_spec(rollout.env)  # an unknown env id fails here, with gymnasium's suggestion
         self._agent_files = {k: Path(v).read_bytes() for k, v in self.cfg.files.items()}
 
     async def rollout(
