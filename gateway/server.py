@@ -1435,7 +1435,7 @@ class Gateway:
         mid = "msg_" + job.request_id
 
         def stop_reason(ev: _Event) -> str:
-            if ev.tool_calls:
+            if ev.finish == "tool_calls":  # (a streamed call came in an earlier event)
                 return "tool_use"
             if ev.finish == "length":
                 return "max_tokens"
