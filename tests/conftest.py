@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -25,3 +27,20 @@ def tiny_model_path():
 @pytest.fixture(scope="session")
 def smollm2_path():
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    """The real local engine on the tiny model, shared by a test module."""
+    from gateway.engines.local import LocalEngine
+
+    eng = LocalEngine(tiny_model_path)
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_path):
+    from gateway.render import load_renderer
+
+    return load_renderer(tiny_model_path)

@@ -7,8 +7,6 @@ with a tool for real.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from agents import (
     Agent,
@@ -30,13 +28,6 @@ set_tracing_disabled(True)
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    eng = LocalEngine(tiny_model_path)
-    yield eng
-    asyncio.run(eng.close())
 
 
 @pytest.fixture

@@ -16,15 +16,9 @@ from fake_sglang import serve_fake
 
 from gateway.engines import EngineConfig, make_engine
 from gateway.engines.local import LocalEngine
-from gateway.render import load_renderer
 from gateway.server import Gateway, GatewayConfig
 
 MODEL = "tiny-random"
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_path):
-    return load_renderer(tiny_model_path)
 
 
 def test_engine_config_checks():
@@ -77,13 +71,6 @@ async def test_gateway_over_sglang_router(renderer, tiny_model_path):
         finally:
             await gw.aclose()
             await engine.close()
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    eng = LocalEngine(tiny_model_path)
-    yield eng
-    asyncio.run(eng.close())
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from gateway.engines.local import LocalEngine
-from gateway.render import load_renderer
 from gateway.server import Gateway, GatewayConfig
 
 MODEL = "tiny-random"
@@ -22,11 +21,6 @@ def engine(tiny_model_path):
     eng = LocalEngine(tiny_model_path, max_context=256)
     yield eng
     asyncio.run(eng.close())
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_path):
-    return load_renderer(tiny_model_path)
 
 
 def make(engine, renderer, path, **cfg) -> Gateway:

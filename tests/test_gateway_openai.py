@@ -12,23 +12,9 @@ import threading
 import openai
 import pytest
 
-from gateway.engines.local import LocalEngine
-from gateway.render import load_renderer
 from gateway.server import Gateway, GatewayConfig
 
 MODEL = "tiny-random"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    eng = LocalEngine(tiny_model_path)
-    yield eng
-    asyncio.run(eng.close())
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_path):
-    return load_renderer(tiny_model_path)
 
 
 @pytest.fixture

@@ -21,18 +21,6 @@ from gateway.server import Gateway, GatewayConfig
 MODEL = "tiny-random"
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    eng = LocalEngine(tiny_model_path)
-    yield eng
-    asyncio.run(eng.close())
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_path):
-    return load_renderer(tiny_model_path)
-
-
 @pytest.fixture
 async def gw(engine, renderer, tiny_model_path):
     gateway = Gateway(engine, tiny_model_path, GatewayConfig(auth="keys"), renderer=renderer)
