@@ -233,9 +233,18 @@ class AnthropicRequest(_Loose):
 # Admin
 
 
+class SessionSampling(_Strict):
+    """Sampling fields forced on every call of a session, whatever the agent sends."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+
+
 class CreateSessionRequest(_Strict):
     metadata: dict[str, Any] = Field(default_factory=dict)
     id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+    sampling: SessionSampling | None = None
 
 
 class RewardRequest(_Strict):

@@ -52,6 +52,7 @@ from gateway.protocol import (
     PauseRequest,
     ResponsesRequest,
     RewardRequest,
+    SessionSampling,
     validate,
 )
 from gateway.render import (
@@ -198,10 +199,17 @@ class Gateway:
     # In-process API (the controller / AgentFlow)
 
     def create_session(
-        self, metadata: dict[str, Any] | None = None, session_id: str | None = None
+        self,
+        metadata: dict[str, Any] | None = None,
+        session_id: str | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> tuple[str, str]:
-        """A new session -> (session id, its API key). Raises ValueError for a taken id."""
-        session = self.sessions.create(metadata, session_id)
+        """A new session -> (session id, its API key). Raises ValueError for a taken id.
+
+        `sampling` ({temperature, top_p, top_k}) is forced on every call of the session."""
+        if sampling:
+            SessionSampling.model_validate(sampling)
+        session = self.sessions.create(metadata, session_id, sampling=sampling)
         return session.id, session.api_key
 
     def attach_reward(
@@ -513,7 +521,8 @@ class Gateway:
         body = await self._body(request) if await _has_body(request) else {}
         req = validate(CreateSessionRequest, body)
         try:
-            sid, key = self.create_session(req.metadata, req.id)
+            sampling = req.sampling.model_dump(exclude_none=True) if req.sampling else None
+            sid, key = self.create_session(req.metadata, req.id, sampling)
         except ValueError as e:
             raise ApiError(409, str(e), param="id", code="session_exists") from None
         base = str(request.base_url).rstrip("/")
@@ -656,12 +665,15 @@ class Gateway:
             try:
                 params.append(
                     SamplingParams(
-                        max_tokens=max_tokens,
-                        temperature=1.0 if temperature is None else temperature,
-                        top_p=1.0 if top_p is None else top_p,
-                        top_k=top_k or 0,
-                        stop=tuple(stops),
-                        seed=None if seed is None else seed + i,
+                        **{
+                            "max_tokens": max_tokens,
+                            "temperature": 1.0 if temperature is None else temperature,
+                            "top_p": 1.0 if top_p is None else top_p,
+                            "top_k": top_k or 0,
+                            "stop": tuple(stops),
+                            "seed": None if seed is None else seed + i,
+                            **session.sampling,
+                        }
                     )
                 )
             except ValueError as e:
@@ -1043,12 +1055,15 @@ class Gateway:
         try:
             params = [
                 SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=req.top_k or 0,
-                    stop=tuple(_stops(req.stop)),
-                    seed=None if req.seed is None else req.seed + i,
+                    **{
+                        "max_tokens": max_tokens,
+                        "temperature": 1.0 if req.temperature is None else req.temperature,
+                        "top_p": 1.0 if req.top_p is None else req.top_p,
+                        "top_k": req.top_k or 0,
+                        "stop": tuple(_stops(req.stop)),
+                        "seed": None if req.seed is None else req.seed + i,
+                        **session.sampling,
+                    }
                 )
                 for i in range(req.n)
             ]

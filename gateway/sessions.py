@@ -34,6 +34,9 @@ class Session:
     """Engine request ids in flight, for abort on close."""
     forks: int = 0
     """Requests that extended none of the session's earlier calls (re-rendered from scratch)."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Sampling fields forced on every call (training: the rollout temperature the trainer
+    scales its logits by), whatever a black-box agent asks for."""
     _idle: asyncio.Event | None = None
 
     def add_turn(self, turn: Turn) -> None:
@@ -92,12 +95,14 @@ class SessionStore:
         metadata: dict[str, Any] | None = None,
         session_id: str | None = None,
         api_key: str | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> Session:
         sid = session_id or "s-" + secrets.token_hex(8)
         if sid in self._by_id:
             raise ValueError(f"session id {sid!r} already exists; pick another id or omit it")
         key = api_key or "sk-ls-" + secrets.token_urlsafe(24)
         session = Session(sid, key, Trajectory(session_id=sid, metadata=dict(metadata or {})))
+        session.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         self._by_id[sid] = session
         self._by_key[key] = session
         return session

@@ -135,3 +135,23 @@ def test_module_prefixed_env_ids_are_found():
     assert find_spec("envs:loongsage/Calc-v0").id == "loongsage/Calc-v0"
     with pytest.raises(gym.error.Error, match="cannot import"):
         find_spec("no_such_pkg:x/Y-v0")
+
+
+async def test_session_sampling_overrides_what_the_agent_asks(gateway):
+    """Training forces the rollout temperature: an agent's own temperature/seed cannot change it."""
+    sid, key = gateway.create_session(sampling={"temperature": 0.0})
+    client = gateway.openai_client(key)
+    outs = []
+    for seed in (1, 2):
+        r = await client.chat.completions.create(
+            model=gateway.model_name,
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=1.9,
+            seed=seed,
+            max_tokens=12,
+        )
+        outs.append(r.choices[0].message.content)
+    assert outs[0] == outs[1]  # greedy, whatever was asked
+    with pytest.raises(ValueError, match="temperature"):
+        gateway.create_session(sampling={"temperature": -1})
+    await gateway.close_session(sid)

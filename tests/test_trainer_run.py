@@ -55,3 +55,29 @@ def test_cli_errors_are_one_clear_line():
         [sys.executable, "-m", "trainer.run", "recipe=quikstart"], capture_output=True, text=True
     )
     assert "did you mean recipe=quickstart" in out.stderr
+
+
+@pytest.mark.docker
+async def test_black_box_agent_in_docker_trains(tmp_path):
+    """recipes/blackbox.yaml's path on the tiny model: an unmodified agent per rollout in Docker."""
+    from sandbox.image import docker_unavailable
+
+    if why := docker_unavailable("loongsage-sandbox:latest"):
+        pytest.skip(why)
+    cfg = load(
+        [
+            "recipe=tiny",
+            "run.steps=1",
+            "eval.n=2",
+            "agent.kind=command",
+            "agent.command=[python3, agent.py]",
+            "agent.files={agent.py: examples/agents/chat_agent.py}",
+            "agent.sandbox.kind=docker",
+        ]
+    )
+    summary = await train(cfg, run_dir=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["eval/aborted_frac"] == 0.0  # every agent ran and answered
+    step = rows[1]
+    assert step["rollout/aborted_samples"] == 0 and step["train/sequences"] >= 2
+    assert summary.final_model is not None

@@ -66,17 +66,24 @@ class AgentFlow:
         sample_index: int = 0,
         seed: int | None = None,
         options: dict[str, Any] | None = None,
+        temperature: float | None = None,
     ) -> Trajectory:
         """One episode of the env task drawn with `reset(seed=prompt)` (a GRPO group shares the
-        prompt), sampled with seed `seed`, in a fresh session; returns its closed Trajectory."""
+        prompt), sampled with seed `seed`, in a fresh session; returns its closed Trajectory.
+
+        The session forces `temperature` (default: the rollout temperature, which the trainer
+        scales its logits by) on every call, whatever temperature a black-box agent asks for."""
         r = self.rollout_cfg
+        temperature = r.temperature if temperature is None else temperature
         meta = {
             "env": r.env,
             "task_seed": prompt,
             "group_id": group_id,
             "sample_index": sample_index,
         }
-        session_id, api_key = self.gateway.create_session(meta)
+        session_id, api_key = self.gateway.create_session(
+            meta, sampling={"temperature": temperature}
+        )
         env = gym.make(r.env, **r.env_kwargs)
         try:
             if self.cfg.kind == "tool_loop":
@@ -87,7 +94,7 @@ class AgentFlow:
                     seed=prompt,
                     options=options,
                     max_turns=r.max_turns,
-                    temperature=r.temperature,
+                    temperature=temperature,
                     max_tokens=r.max_tokens,
                     sample_seed=seed,
                 )

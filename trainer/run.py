@@ -36,15 +36,19 @@ from trainer.weights import InProcessPush
 
 
 class EnvEvaluator:
-    """`eval/*` metrics: the env's held-out split, greedy by default, through the gateway."""
+    """`eval/*` metrics: the env's held-out split, greedy by default, through the gateway, played
+    by the recipe's own agent (the white-box loop, or the black-box command in its sandbox)."""
 
-    def __init__(self, gateway: Gateway, cfg: TrainerConfig) -> None:
+    def __init__(self, gateway: Gateway, cfg: TrainerConfig, flow: AgentFlow) -> None:
         self.gateway = gateway
         self.cfg = cfg
+        self.flow = flow
 
     async def evaluate(self, step: int) -> dict[str, float]:
         if self.cfg.eval.n == 0:
             return {}
+        if self.cfg.agent.kind == "command":
+            return await self._evaluate_agent()
         r = self.cfg.rollout
         result = await evaluate(
             self.gateway,
@@ -60,6 +64,25 @@ class EnvEvaluator:
             "eval/mean_reward": result.mean_reward,
             "eval/mean_turns": result.mean_turns,
             "eval/mean_tokens": result.mean_tokens,
+        }
+
+    async def _evaluate_agent(self) -> dict[str, float]:
+        trajs = await asyncio.gather(
+            *(
+                self.flow.rollout(
+                    None,
+                    options={"split": "eval", "index": i},
+                    temperature=self.cfg.eval.temperature,
+                )
+                for i in range(self.cfg.eval.n)
+            )
+        )
+        n = len(trajs)
+        return {
+            "eval/success_rate": sum((t.reward or 0.0) >= 1.0 for t in trajs) / n,
+            "eval/mean_reward": sum(t.reward or 0.0 for t in trajs) / n,
+            "eval/mean_tokens": sum(t.num_output_tokens for t in trajs) / n,
+            "eval/aborted_frac": sum(t.status != "ok" for t in trajs) / n,
         }
 
 
@@ -100,7 +123,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             source,
             push,
             prompts=PromptStream(seed=cfg.run.seed),
-            evaluator=EnvEvaluator(gateway, cfg),
+            evaluator=EnvEvaluator(gateway, cfg, source),
             decode=tokenizer.decode,
             run_dir=run_dir,
         )
