@@ -5,8 +5,9 @@
   an ASGI transport, or over HTTP), so its tokens land in the session's token log exactly like
   any other agent's.
 - `command` (black-box): an unmodified program runs in a fresh sandbox whose only way out is
-  the gateway, with `OPENAI_BASE_URL` and a per-session `OPENAI_API_KEY`. It reads its task from
-  `task.txt` (and argv `{task}` placeholders) and leaves its final answer in `answer.txt`; the
+  the gateway, with `OPENAI_BASE_URL` and a per-session `OPENAI_API_KEY`. It reads its task (the env's
+  instructions, a blank line, the task text) from `task.txt` (and argv `{task}` placeholders)
+  and leaves its final answer in `answer.txt`; the
   env's own verifier scores that answer (it is stepped as the env's final message).
 
 Both end the same way: the reward is attached to the session, the session is closed, and its
@@ -119,7 +120,11 @@ class AgentFlow:
         seed: int | None,
         options: dict[str, Any] | None,
     ) -> Episode:
-        task, _ = await asyncio.to_thread(env.reset, seed=seed, options=options)
+        task, info = await asyncio.to_thread(env.reset, seed=seed, options=options)
+        # The agent sees the env's instructions (e.g. the answer format its verifier wants)
+        # followed by the task: an unmodified agent knows nothing else of the env.
+        if info.get("system"):
+            task = f"{info['system']}\n\n{task}"
         files: dict[str, str | bytes] = {**self._agent_files, "task.txt": task}
         sb_cfg = dataclasses.replace(self.cfg.sandbox, gateway_socket=self.gateway_socket)
         command = [part.replace("{task}", task) for part in self.cfg.command]

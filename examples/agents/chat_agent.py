@@ -19,10 +19,7 @@ def main() -> None:
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(
         model=model,
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant. Answer concisely."},
-            {"role": "user", "content": task},
-        ],
+        messages=[{"role": "user", "content": task}],
         max_tokens=64,
     )
     answer = reply.choices[0].message.content or ""
