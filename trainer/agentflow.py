@@ -5,10 +5,10 @@
   an ASGI transport, or over HTTP), so its tokens land in the session's token log exactly like
   any other agent's.
 - `command` (black-box): an unmodified program runs in a fresh sandbox whose only way out is
-  the gateway, with `OPENAI_BASE_URL` and a per-session `OPENAI_API_KEY`. It reads its task (the env's
-  instructions, a blank line, the task text) from `task.txt` (and argv `{task}` placeholders)
-  and leaves its final answer in `answer.txt`; the
-  env's own verifier scores that answer (it is stepped as the env's final message).
+  the gateway, with `OPENAI_BASE_URL` and a per-session `OPENAI_API_KEY`. It reads its task
+  (the env's instructions, a blank line, the task text) from `task.txt` (and argv `{task}`
+  placeholders) and leaves its final answer in `answer.txt`; the env's own verifier scores that
+  answer (it is stepped as the env's final message).
 
 Both end the same way: the reward is attached to the session, the session is closed, and its
 Trajectory (status `ok` / `aborted` / `error` with a reason) is what the trainer sees. A failing
