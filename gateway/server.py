@@ -660,24 +660,7 @@ class Gateway:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        params = []
-        for i in range(n):
-            try:
-                params.append(
-                    SamplingParams(
-                        **{
-                            "max_tokens": max_tokens,
-                            "temperature": 1.0 if temperature is None else temperature,
-                            "top_p": 1.0 if top_p is None else top_p,
-                            "top_k": top_k or 0,
-                            "stop": tuple(stops),
-                            "seed": None if seed is None else seed + i,
-                            **session.sampling,
-                        }
-                    )
-                )
-            except ValueError as e:
-                raise ApiError(400, str(e)) from None
+        params = _sampling(session, n, max_tokens, temperature, top_p, top_k, stops, seed)
         return _Job(
             session,
             call,
@@ -1052,23 +1035,16 @@ class Gateway:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        try:
-            params = [
-                SamplingParams(
-                    **{
-                        "max_tokens": max_tokens,
-                        "temperature": 1.0 if req.temperature is None else req.temperature,
-                        "top_p": 1.0 if req.top_p is None else req.top_p,
-                        "top_k": req.top_k or 0,
-                        "stop": tuple(_stops(req.stop)),
-                        "seed": None if req.seed is None else req.seed + i,
-                        **session.sampling,
-                    }
-                )
-                for i in range(req.n)
-            ]
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        params = _sampling(
+            session,
+            req.n,
+            max_tokens,
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            _stops(req.stop),
+            req.seed,
+        )
         call = _Call((), b"", "", ids)
         job = _Job(session, call, ids, params, False, "", _stops(req.stop), "completions")
         self.metrics.prompt_tokens.inc(len(ids))
@@ -1734,6 +1710,36 @@ def _anthropic_messages(req: AnthropicRequest) -> list[Message]:
         elif text or not any(b.get("type") == "tool_result" for b in blocks):
             messages.append({"role": "user", "content": text})
     return messages
+
+
+def _sampling(
+    session: Session,
+    n: int,
+    max_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    stops: list[str],
+    seed: int | None,
+) -> list[SamplingParams]:
+    """One SamplingParams per choice (seed + i each); the session's forced fields win."""
+    try:
+        return [
+            SamplingParams(
+                **{
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0 if temperature is None else temperature,
+                    "top_p": 1.0 if top_p is None else top_p,
+                    "top_k": top_k or 0,
+                    "stop": tuple(stops),
+                    "seed": None if seed is None else seed + i,
+                    **session.sampling,
+                }
+            )
+            for i in range(n)
+        ]
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
