@@ -5,7 +5,7 @@ from __future__ import annotations
 import gymnasium as gym
 import pytest
 
-from envs import EnvError
+from envs import EnvError, calc
 from gateway.engines.local import LocalEngine
 from gateway.server import Gateway, GatewayConfig
 from sandbox import SandboxConfig
@@ -84,6 +84,38 @@ async def test_black_box_rollout_outcomes(gateway, tmp_path, command, status, re
         await server.stop()
     assert traj.status == status and reason in traj.reason
     assert traj.reward in (0.0, 1.0)
+
+
+async def test_black_box_agent_gets_the_task_and_the_envs_instructions(gateway, tmp_path):
+    """task.txt holds the task, instructions.txt the env's system prompt; argv gets both too."""
+    script = (
+        "import pathlib, sys; t = pathlib.Path('task.txt').read_text();"
+        " i = pathlib.Path('instructions.txt').read_text();"
+        " assert sys.argv[1:] == [t, i], sys.argv; print(t); print('|' + i)"
+    )
+    sock = str(tmp_path / "gw.sock")
+    server = await gateway.start_http(port=0, uds=sock)
+    try:
+        cfg = AgentConfig(
+            kind="command",
+            command=[
+                "python3",
+                "-c",
+                script + "; open('answer.txt', 'w').write('Answer: x')",
+                "{task}",
+                "{instructions}",
+            ],
+            timeout_s=10,
+            sandbox=SandboxConfig(kind="local"),
+        )
+        traj = await AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=sock).rollout(1)
+    finally:
+        await server.stop()
+    assert traj.status == "ok", (traj.reason, traj.info)
+    task, instructions = traj.info["stdout_tail"].split("\n|")
+    assert task.startswith(tuple(calc._NAMES)) and "How many" in task
+    assert "Answer: <number>" in task and "Answer: <number>" in instructions
+    assert not instructions.startswith(task[:20]), "the task is not repeated in the instructions"
 
 
 async def test_unmodified_openai_agent_in_a_sandbox_is_trained_on(gateway, tmp_path):

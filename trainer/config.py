@@ -84,8 +84,9 @@ class AgentConfig:
     """`tool_loop`: the built-in white-box agent steps the env; `command`: a black-box program
     runs in a sandbox and the env's verifier scores the `answer.txt` it leaves."""
     command: list[str] = field(default_factory=list)
-    """kind=command: the program to run, e.g. [python3, agent.py]; `{task}` is replaced by the
-    task text (it is also in task.txt)."""
+    """kind=command: the program to run, e.g. [python3, agent.py]; `{task}` and `{instructions}`
+    are replaced by the task text and the env's instructions (also in task.txt and
+    instructions.txt)."""
     files: dict[str, str] = field(default_factory=dict)
     """kind=command: sandbox path -> host file copied in, e.g. {agent.py: examples/agents/openai_tool_agent.py}."""
     timeout_s: float = 300.0

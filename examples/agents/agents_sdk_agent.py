@@ -2,7 +2,8 @@
 
 It uses the SDK's chat-completions model class with the default `AsyncOpenAI` client, which reads
 only `OPENAI_BASE_URL` and `OPENAI_API_KEY`; tracing is off (a sandbox has no network). The task
-comes from argv or `task.txt`; the final answer goes to `answer.txt` and stdout.
+comes from argv or `task.txt`, the agent's instructions from `instructions.txt` when there is one;
+the final answer goes to `answer.txt` and stdout.
 
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=... python3 agents_sdk_agent.py "17*23"
 """
@@ -22,6 +23,8 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
+INSTRUCTIONS = "Use the calculate tool, then reply with the final number."
+
 
 @function_tool
 def calculate(expression: str) -> str:
@@ -39,11 +42,12 @@ def calculate(expression: str) -> str:
 async def main() -> None:
     set_tracing_disabled(True)
     task = " ".join(sys.argv[1:]) or Path("task.txt").read_text().strip()
+    instructions = Path("instructions.txt")
     client = AsyncOpenAI()
     model_name = (await client.models.list()).data[0].id
     agent = Agent(
         name="calculator",
-        instructions="Use the calculate tool, then reply with only the final number.",
+        instructions=instructions.read_text() if instructions.exists() else INSTRUCTIONS,
         tools=[calculate],
         model=OpenAIChatCompletionsModel(model=model_name, openai_client=client),
         model_settings=ModelSettings(max_tokens=128),

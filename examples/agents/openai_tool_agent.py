@@ -1,7 +1,7 @@
 """A plain OpenAI-SDK tool-calling agent: a calculator loop. Knows nothing of LoongSage.
 
-It reads only `OPENAI_BASE_URL` and `OPENAI_API_KEY` (the SDK's defaults) and its task from argv
-or `task.txt`, asks the first model the server lists, runs the `calculate` tool whenever the model
+It reads only `OPENAI_BASE_URL` and `OPENAI_API_KEY` (the SDK's defaults), its task from argv
+or `task.txt` and its system prompt from `instructions.txt` when there is one, asks the first model the server lists, runs the `calculate` tool whenever the model
 calls it, and writes the model's final answer to `answer.txt` (and stdout) for a verifier.
 
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=... python3 openai_tool_agent.py "17*23"
@@ -16,6 +16,7 @@ from pathlib import Path
 from openai import OpenAI
 
 MAX_TURNS = 6
+SYSTEM = "You are a careful calculator. Use the calculate tool, then reply with the final number."
 TOOLS = [
     {
         "type": "function",
@@ -66,12 +67,9 @@ def main() -> None:
     task = " ".join(sys.argv[1:]) or Path("task.txt").read_text().strip()
     client = OpenAI()
     model = client.models.list().data[0].id
+    system = Path("instructions.txt")
     messages = [
-        {
-            "role": "system",
-            "content": "You are a careful calculator. Use the calculate tool, then reply with "
-            "only the final number.",
-        },
+        {"role": "system", "content": system.read_text() if system.exists() else SYSTEM},
         {"role": "user", "content": task},
     ]
     answer = ""
