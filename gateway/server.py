@@ -100,6 +100,10 @@ class GatewayConfig:
     """Largest request body; larger ones get 413."""
     max_closed_sessions: int = 10_000
     """Closed sessions kept for export; the oldest beyond this are forgotten."""
+    idle_session_s: float = 3600.0
+    """auth=open: close a session with no request for this long (its key then starts a fresh
+    session; the old one is exported as `<id>~1`); 0 keeps them open. With auth=keys whoever
+    created a session closes it."""
     health_interval_s: float = 2.0
     """Seconds between engine health checks."""
     retry_after_s: int = 1
@@ -112,6 +116,8 @@ class GatewayConfig:
             raise ValueError("max_concurrent_per_session must be >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.idle_session_s < 0:
+            raise ValueError("idle_session_s must be >= 0 (0 keeps open-mode sessions open)")
 
 
 @dataclass
@@ -382,7 +388,18 @@ class Gateway:
                     self._healthy = bool(await self.engine.health())
             except Exception:
                 self._healthy = False
+            await self._close_idle_sessions()
             await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _close_idle_sessions(self) -> None:
+        if self.cfg.auth != "open" or not self.cfg.idle_session_s:
+            return
+        cutoff = time.monotonic() - self.cfg.idle_session_s
+        for session in self.sessions.all():
+            if not session.closed and session.requests == 0 and session.last_used < cutoff:
+                await self.close_session(
+                    session.id, "ok", f"idle: no request for {self.cfg.idle_session_s:g} s"
+                )
 
     def _get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -423,6 +440,13 @@ class Gateway:
             if len(sid) > 256:
                 raise ApiError(400, "session id (the API key in open mode) is over 256 characters")
             session = self.sessions.get(sid)
+            if (
+                session is not None
+                and session.closed
+                and session.trajectory.reason.startswith("idle:")
+            ):
+                self.sessions.archive(session)
+                session = None
             if session is None:
                 session = self.sessions.create(session_id=sid, api_key=sid)
         else:

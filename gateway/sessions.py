@@ -4,7 +4,9 @@ A session holds the calls' turns (the trajectory being built), the token-in-toke
 used to render the next prompt, the reward the controller attaches, and its in-flight requests
 (for the per-session concurrency limit and for aborting them on close). `SessionStore` finds
 sessions by id and by API key and forgets the oldest closed ones beyond a bound, so a long
-training run does not grow without limit.
+training run does not grow without limit. In open mode the gateway also closes sessions idle for
+`idle_session_s`; a key that comes back after that starts a fresh session under its id, and the
+closed one stays exportable as `<id>~1` (then `~2`, ...).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Session:
     trajectory: Trajectory
     history: TokenHistory = field(default_factory=TokenHistory)
     created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    """When the last request began or ended (monotonic), for closing idle open-mode sessions."""
     closed: bool = False
     requests: int = 0
     """Requests in flight (a request with `n > 1` counts once)."""
@@ -44,11 +48,13 @@ class Session:
 
     def begin(self) -> None:
         self.requests += 1
+        self.last_used = time.monotonic()
         if self._idle is not None:
             self._idle.clear()
 
     def end(self) -> None:
         self.requests -= 1
+        self.last_used = time.monotonic()
         if self.requests == 0 and self._idle is not None:
             self._idle.set()
 
@@ -123,6 +129,19 @@ class SessionStore:
             gone = self._by_id.pop(old, None)
             if gone is not None:
                 self._by_key.pop(gone.api_key, None)
+
+    def archive(self, session: Session) -> str:
+        """Move a closed session to a free id `<id>~<n>`, so its id can start a new session."""
+        n = 1
+        while f"{session.id}~{n}" in self._by_id:
+            n += 1
+        new_id = f"{session.id}~{n}"
+        del self._by_id[session.id], self._closed[session.id]
+        self._by_key.pop(session.api_key, None)
+        session.id = session.trajectory.session_id = new_id
+        self._by_id[new_id] = session
+        self._closed[new_id] = None
+        return new_id
 
     def all(self) -> list[Session]:
         return list(self._by_id.values())

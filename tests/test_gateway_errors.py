@@ -221,6 +221,33 @@ async def test_open_mode_key_is_session(engine, renderer, tiny_model_path):
     await gw.aclose()
 
 
+async def test_open_mode_closes_idle_sessions(engine, renderer, tiny_model_path):
+    """An idle open-mode session is closed and kept; its key, back later, starts a fresh one."""
+    cfg = GatewayConfig(idle_session_s=0.3, health_interval_s=0.05)
+    gw = Gateway(engine, tiny_model_path, cfg, renderer=renderer)
+    async with http(gw, "agent-7") as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if gw.sessions.get("agent-7").closed:
+                break
+        old = (await c.get("/sessions/agent-7/trajectory")).json()
+        assert old["status"] == "ok" and old["reason"].startswith("idle:")
+        assert len(old["turns"]) == 1
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        fresh = (await c.get("/sessions/agent-7/trajectory")).json()
+        archived = (await c.get("/sessions/agent-7~1/trajectory")).json()
+    assert len(fresh["turns"]) == 1
+    assert {s["id"]: s["status"] for s in gw.list_sessions()} == {
+        "agent-7": "open",
+        "agent-7~1": "ok",
+    }
+    assert archived["session_id"] == "agent-7~1" and archived["turns"] == old["turns"]
+    await gw.aclose()
+    with pytest.raises(ValueError, match="idle_session_s"):
+        GatewayConfig(idle_session_s=-1)
+
+
 def _garbage(rng: random.Random, depth: int = 0):
     kind = rng.randrange(9 if depth < 3 else 6)
     if kind == 0:
