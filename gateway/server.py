@@ -127,6 +127,8 @@ class _Event:
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     tokens: list[tuple[int, float]] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per token, the most likely (id, logprob) at its position (when top logprobs are asked)."""
     finish: str | None = None
     """Set on the last event: stop, length, tool_calls or abort."""
     stop_sequence: str | None = None
@@ -632,6 +634,7 @@ class Gateway:
         seed: int | None,
         stops: list[str],
         endpoint: str,
+        top_logprobs: int = 0,
     ) -> _Job:
         prefill = ""
         if tools and tool_choice == "required":
@@ -684,7 +687,9 @@ class Gateway:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        params = _sampling(session, n, max_tokens, temperature, top_p, top_k, stops, seed)
+        params = _sampling(
+            session, n, max_tokens, temperature, top_p, top_k, stops, seed, top_logprobs
+        )
         return _Job(
             session,
             call,
@@ -713,7 +718,10 @@ class Gateway:
             stream = self.engine.stream(job.prompt_ids, job.params[index], rid, session.id)
             async for chunk in stream:
                 gen.add(chunk)
-                event = _Event(tokens=list(zip(chunk.token_ids, chunk.logprobs, strict=False)))
+                event = _Event(
+                    tokens=list(zip(chunk.token_ids, chunk.logprobs, strict=False)),
+                    top=chunk.top_logprobs,
+                )
                 self._feed(event, stops.push(decoder.push(chunk.token_ids)), parser)
                 if chunk.finish_reason is None:
                     emitted.append(event.text)
@@ -799,6 +807,7 @@ class Gateway:
                 total.text += ev.text
                 total.tool_calls += ev.tool_calls
                 total.tokens += ev.tokens
+                total.top += ev.top
                 total.finish, total.stop_sequence = ev.finish, ev.stop_sequence
                 total.output_tokens = ev.output_tokens
             return total
@@ -864,14 +873,18 @@ class Gateway:
             )
         return session
 
-    def _token_logprobs(self, tokens: list[tuple[int, float]]) -> list[dict[str, Any]]:
-        out = []
-        for tid, lp in tokens:
+    def _token_logprobs(self, ev: _Event) -> list[dict[str, Any]]:
+        """Chat `logprobs.content`: each token with its `top_logprobs` alternatives."""
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
             text = self.renderer.token_text(tid)
-            out.append(
-                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-            )
-        return out
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        tops = ev.top or [[] for _ in ev.tokens]
+        return [
+            {**entry(tid, lp), "top_logprobs": [entry(t, x) for t, x in top]}
+            for (tid, lp), top in zip(ev.tokens, tops, strict=True)
+        ]
 
     # -----------------------------------------------------------------------------------------
     # /v1/chat/completions
@@ -880,6 +893,8 @@ class Gateway:
         session = self._admit(request)
         req: ChatCompletionRequest = validate(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [_chat_message(m, i) for i, m in enumerate(req.messages)]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice: ToolChoice = (
@@ -900,6 +915,7 @@ class Gateway:
             seed=req.seed,
             stops=_stops(req.stop),
             endpoint="chat",
+            top_logprobs=req.top_logprobs or 0,
         )
         cid, created = "chatcmpl-" + job.request_id, int(time.time())
         logprobs = req.logprobs
@@ -917,9 +933,7 @@ class Gateway:
                         "index": i,
                         "message": msg,
                         "finish_reason": _client_finish(ev),
-                        "logprobs": {"content": self._token_logprobs(ev.tokens)}
-                        if logprobs
-                        else None,
+                        "logprobs": {"content": self._token_logprobs(ev)} if logprobs else None,
                     }
                 )
             return _json(
@@ -972,7 +986,7 @@ class Gateway:
                     {"index": k + j, **c.to_openai()} for j, c in enumerate(ev.tool_calls)
                 ]
                 num_calls[i] = k + len(ev.tool_calls)
-            lp = {"content": self._token_logprobs(ev.tokens)} if logprobs and ev.tokens else None
+            lp = {"content": self._token_logprobs(ev)} if logprobs and ev.tokens else None
             if delta or lp:
                 out.append(
                     _sse(
@@ -1068,6 +1082,7 @@ class Gateway:
             req.top_k,
             _stops(req.stop),
             req.seed,
+            req.logprobs or 0,
         )
         call = _Call((), b"", "", ids)
         job = _Job(session, call, ids, params, False, "", _stops(req.stop), "completions")
@@ -1075,13 +1090,17 @@ class Gateway:
         echo = self.renderer.decode(ids) if req.echo else ""
         cid, created = "cmpl-" + job.request_id, int(time.time())
 
-        def lp_block(tokens: list[tuple[int, float]]) -> dict[str, Any] | None:
+        def lp_block(ev: _Event) -> dict[str, Any] | None:
             if req.logprobs is None:
                 return None
+            text = self.renderer.token_text
             return {
-                "tokens": [self.renderer.token_text(t) for t, _ in tokens],
-                "token_logprobs": [lp for _, lp in tokens],
-                "top_logprobs": [{} for _ in tokens],
+                "tokens": [text(t) for t, _ in ev.tokens],
+                "token_logprobs": [lp for _, lp in ev.tokens],
+                # reversed: of ids sharing a text, the likeliest is the one kept
+                "top_logprobs": [{text(t): lp for t, lp in reversed(top)} for top in ev.top]
+                if ev.top
+                else [{} for _ in ev.tokens],
                 "text_offset": [],
             }
 
@@ -1091,7 +1110,7 @@ class Gateway:
                 {
                     "index": i,
                     "text": echo + ev.text,
-                    "logprobs": lp_block(ev.tokens),
+                    "logprobs": lp_block(ev),
                     "finish_reason": _client_finish(ev),
                 }
                 for i, ev in enumerate(results)
@@ -1132,7 +1151,7 @@ class Gateway:
                             {
                                 "index": i,
                                 "text": text,
-                                "logprobs": lp_block(ev.tokens),
+                                "logprobs": lp_block(ev),
                                 "finish_reason": _client_finish(ev) if ev.finish else None,
                             }
                         ],
@@ -1745,6 +1764,7 @@ def _sampling(
     top_k: int | None,
     stops: list[str],
     seed: int | None,
+    top_logprobs: int = 0,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice (seed + i each); the session's forced fields win."""
     try:
@@ -1757,6 +1777,7 @@ def _sampling(
                     "top_k": top_k or 0,
                     "stop": tuple(stops),
                     "seed": None if seed is None else seed + i,
+                    "top_logprobs": top_logprobs,
                     **session.sampling,
                 }
             )

@@ -13,7 +13,8 @@ SGLang's source (`entrypoints/http_server.py`, `managers/io_struct.py`,
   `{"type": "length", "length": N}`, `{"type": "abort", "message": ...}`), `prompt_tokens`,
   `completion_tokens`, `cached_tokens`, `weight_version` (a string, `"default"` at start),
   `e2e_latency` and, with `return_logprob`, `output_token_logprobs` / `input_token_logprobs`
-  as `[logprob, token_id, null]` (the prompt's first entry has a null logprob).
+  as `[logprob, token_id, null]` (the prompt's first entry has a null logprob); with
+  `top_logprobs_num=k`, `output_top_logprobs` (per output position, k such triples).
 - The EOS id ends up in `output_ids` but not in `text`; a matched stop string is cut from `text`.
 - Streams are cumulative (every event carries the whole output so far) unless started with
   `--incremental` (SGLang's `--incremental-streaming-output`), then deltas. Like SGLang, an abort
@@ -204,6 +205,9 @@ class FakeSGLang:
                 f"logprob_start_len ({start}) is higher than the number of input tokens "
                 f"({len(ids)}). Request with a lower logprob_start_len."
             )
+        top_k = body.get("top_logprobs_num") or 0
+        if not isinstance(top_k, int) or top_k < 0:
+            raise BadRequest("top_logprobs_num must be a non-negative integer")
         rid = body.get("rid") or f"{time.time_ns():x}"
         if rid in self.state.running:
             raise BadRequest(f"Duplicate request ID: {rid}")
@@ -213,11 +217,12 @@ class FakeSGLang:
             "params": params,
             "return_logprob": bool(body.get("return_logprob")),
             "logprob_start_len": start,
+            "top_logprobs_num": top_k,
             "stream": bool(body.get("stream")),
         }
 
     async def generate(self, req: dict[str, Any]):
-        """Yields (new_ids, new_logprob_entries, finish_reason-or-None, total_ids, total_text)."""
+        """Yields (token, logprob, top row, finish_reason-or-None, total_ids, total_text)."""
         cfg, state = self.config, self.state
         running = Running(req["rid"])
         state.running[req["rid"]] = running
@@ -252,6 +257,7 @@ class FakeSGLang:
                 else:
                     token = cfg.first_token_id + (r >> 8) % span
                 lp = token_logprob(h, token)
+                top = self.top_row(h, token, req["top_logprobs_num"])
                 h = step(h, token)
                 out_ids.append(token)
                 state.generated_tokens += 1
@@ -274,13 +280,21 @@ class FakeSGLang:
                                 break
                 if finish is None and len(out_ids) >= params["max_new_tokens"]:
                     finish = {"type": "length", "length": params["max_new_tokens"]}
-                yield token, lp, finish, out_ids, text_parts
+                yield token, lp, top, finish, out_ids, text_parts
                 if delay:
                     await asyncio.sleep(delay)
             if finish["type"] == "abort" or not out_ids:
-                yield None, None, finish, out_ids, text_parts
+                yield None, None, None, finish, out_ids, text_parts
         finally:
             state.running.pop(req["rid"], None)
+
+    def top_row(self, h: int, token: int, k: int) -> list[list[Any]]:
+        """The k likeliest of the sampled token and 2k hashed candidates, as SGLang triples."""
+        if k <= 0:
+            return []
+        span = self.config.vocab_size - self.config.first_token_id
+        ids = {token} | {self.config.first_token_id + mix(h ^ (j + 1)) % span for j in range(2 * k)}
+        return sorted(([token_logprob(h, t), t, None] for t in ids), reverse=True)[:k]
 
     def meta(
         self,
@@ -289,6 +303,7 @@ class FakeSGLang:
         completion: int,
         logprobs: list[list[Any]] | None,
         started: float,
+        tops: list[list[list[Any]]] | None = None,
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req["rid"],
@@ -303,7 +318,7 @@ class FakeSGLang:
         if req["return_logprob"]:
             meta["output_token_logprobs"] = logprobs
             meta["input_token_logprobs"] = self.input_logprobs(req)
-            meta["output_top_logprobs"] = []
+            meta["output_top_logprobs"] = (tops or []) if req["top_logprobs_num"] else []
             meta["input_top_logprobs"] = []
         if finish is not None:
             meta["e2e_latency"] = time.perf_counter() - started
@@ -341,37 +356,41 @@ def build_app(config: FakeConfig) -> Starlette:
         if req["stream"]:
             return StreamingResponse(stream_events(req, started), media_type="text/event-stream")
         entries: list[list[Any]] = []
+        tops: list[list[list[Any]]] = []
         last: tuple = ()
         async for item in fake.generate(req):
             if item[0] is not None:
                 entries.append([item[1], item[0], None])
+                tops.append(item[2])
             last = item
-        _, _, finish, ids, text_parts = last
+        _, _, _, finish, ids, text_parts = last
         answer = {
             "text": "".join(text_parts),
             "output_ids": list(ids),
-            "meta_info": fake.meta(req, finish, len(ids), entries, started),
+            "meta_info": fake.meta(req, finish, len(ids), entries, started, tops),
         }
         return Response(orjson.dumps(answer), media_type="application/json")
 
     async def stream_events(req: dict[str, Any], started: float):
         entries: list[list[Any]] = []
+        tops: list[list[list[Any]]] = []
         sent = sent_text = 0
-        async for token, lp, finish, ids, text_parts in fake.generate(req):
+        async for token, lp, top, finish, ids, text_parts in fake.generate(req):
             if token is not None:
                 entries.append([lp, token, None])
+                tops.append(top)
             if finish is not None and finish["type"] == "abort":
                 # SGLang's abort event: cumulative logprobs, but only the last output id.
                 last = [ids[-1]] if ids else []
-                meta = fake.meta(req, finish, len(ids), entries, started)
+                meta = fake.meta(req, finish, len(ids), entries, started, tops)
                 event = {"text": "".join(text_parts), "output_ids": last, "meta_info": meta}
             elif config.incremental:
                 text = "".join(text_parts)
-                meta = fake.meta(req, finish, len(ids), entries[sent:], started)
+                meta = fake.meta(req, finish, len(ids), entries[sent:], started, tops[sent:])
                 event = {"text": text[sent_text:], "output_ids": ids[sent:], "meta_info": meta}
                 sent_text = len(text)
             else:
-                meta = fake.meta(req, finish, len(ids), list(entries), started)
+                meta = fake.meta(req, finish, len(ids), list(entries), started, list(tops))
                 event = {"text": "".join(text_parts), "output_ids": list(ids), "meta_info": meta}
             sent = len(ids)
             yield b"data: " + orjson.dumps(event) + b"\n\n"

@@ -82,6 +82,30 @@ async def test_logprobs_match_teacher_forcing(engine, hf_tiny, kw):
     torch.testing.assert_close(torch.tensor(greedy.output_logprobs), ref, atol=1e-4, rtol=0)
 
 
+async def test_top_logprobs_are_the_k_most_likely_of_the_same_distribution(engine, hf_tiny):
+    prompt = PROMPTS[1]
+    params = sampled(5, max_tokens=10, temperature=0.7, top_logprobs=4)
+    plain = sampled(5, max_tokens=10, temperature=0.7)
+    out, without = await asyncio.gather(
+        engine.generate(prompt, params), engine.generate(prompt, plain)
+    )
+    assert out.output_ids == without.output_ids and without.output_top_logprobs == []
+    seq = prompt + out.output_ids
+    with torch.no_grad():
+        logits = hf_tiny(torch.tensor([seq])).logits[0].float()
+    ref = torch.log_softmax(logits / 0.7, dim=-1)[len(prompt) - 1 : len(seq) - 1].topk(4)
+    assert len(out.output_top_logprobs) == len(out.output_ids)
+    for i, top in enumerate(out.output_top_logprobs):
+        assert [t for t, _ in top] == ref.indices[i].tolist()
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in top]), ref.values[i], atol=1e-4, rtol=0
+        )
+        if out.output_ids[i] in ref.indices[i]:
+            assert dict(top)[out.output_ids[i]] == pytest.approx(out.output_logprobs[i])
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=-1)
+
+
 async def test_top_k_1_and_tiny_top_p_are_greedy(engine, hf_tiny):
     greedy = await engine.generate(PROMPTS[2], GREEDY)
     for kw in ({"top_k": 1}, {"top_p": 1e-6}):

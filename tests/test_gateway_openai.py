@@ -78,7 +78,10 @@ async def test_streaming_tools_and_usage(gateway):
             finish = choice.finish_reason or finish
             if choice.logprobs and choice.logprobs.content:
                 n_logprobs += len(choice.logprobs.content)
-                assert all(t.top_logprobs == [] for t in choice.logprobs.content)
+                for t in choice.logprobs.content:  # greedy: the sampled token is the top one
+                    first, second = t.top_logprobs
+                    assert (first.token, first.logprob) == (t.token, pytest.approx(t.logprob))
+                    assert second.logprob <= first.logprob
     (turn,) = gateway.trajectory(sid).turns
     assert text == content_of_turn(gateway, turn)
     assert usage.completion_tokens == len(turn.output_ids) == n_logprobs
@@ -241,3 +244,27 @@ def test_sync_client_over_http_and_unix_socket(engine, renderer, tiny_model_path
     finally:
         state["loop"].call_soon_threadsafe(state["stop"].set)
         thread.join(30)
+
+
+async def test_top_logprobs_in_completions_and_their_misuse_in_chat(gateway):
+    import openai
+
+    _, key = gateway.create_session()
+    client = gateway.openai_client(key)
+    r = await client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == r.usage.completion_tokens
+    )
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3  # distinct ids can share a text
+        assert top[token] == pytest.approx(logprob) and max(top.values()) == top[token]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=2
+        )

@@ -86,6 +86,19 @@ async def test_stream_matches_generate(engine):
     assert all(len(c.token_ids) == len(c.logprobs) == len(c.versions) for c in chunks)
 
 
+async def test_top_logprobs_line_up_with_tokens_in_both_streaming_modes(engine):
+    params = greedy(12, ignore_eos=True, top_logprobs=3)
+    whole = await engine.generate(PROMPT, params)
+    chunks = await collect_chunks(engine.stream(PROMPT, params))
+    assert all(len(c.top_logprobs) == len(c.token_ids) for c in chunks)
+    rows = [row for c in chunks for row in c.top_logprobs]
+    assert len(rows) == len(whole.output_top_logprobs) == 12
+    for row, again in zip(rows, whole.output_top_logprobs, strict=True):
+        assert len(row) == 3 and [t for t, _ in row] == [t for t, _ in again]
+        assert [lp for _, lp in row] == sorted((lp for _, lp in row), reverse=True)
+    assert (await engine.generate(PROMPT, greedy(4))).output_top_logprobs == []
+
+
 async def test_stop_token_ids_end_generation_and_are_kept(engine):
     first = await engine.generate(PROMPT, greedy(10))
     ids = first.output_ids if first.finish_reason == "length" else first.output_ids[:-1]

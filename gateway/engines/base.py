@@ -48,6 +48,8 @@ class SamplingParams:
     """Makes sampling reproducible for this request, independently of its batch neighbours."""
     ignore_eos: bool = False
     """Keep generating past EOS (for benchmarks)."""
+    top_logprobs: int = 0
+    """Also return the this many most likely tokens and their logprobs at every position."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -68,6 +70,8 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
         ):
@@ -102,6 +106,9 @@ class Chunk:
     versions: list[int]
     finish_reason: FinishReason | None = None
     """Set on the last chunk only."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """With `SamplingParams.top_logprobs`: per new token, (token id, logprob) of the most likely
+    tokens at its position, most likely first; else empty."""
 
 
 @dataclass
@@ -111,12 +118,14 @@ class Generation:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason = "length"
 
     def add(self, chunk: Chunk) -> None:
         self.output_ids += chunk.token_ids
         self.output_logprobs += chunk.logprobs
         self.output_versions += chunk.versions
+        self.output_top_logprobs += chunk.top_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
 

@@ -24,7 +24,8 @@ distribution, has no stop strings, and no hook to swap weights between steps.
 
 Semantics worth knowing:
 - Logprobs: `log_softmax(logits / T)[sampled token]` with T = 1 for greedy, NOT renormalized
-  by top-p/top-k, because the trainer divides its logits by the same temperature.
+  by top-p/top-k, because the trainer divides its logits by the same temperature; top logprobs
+  (`SamplingParams.top_logprobs`) are the k largest entries of the same distribution.
 - Seeds: every request samples with its own `torch.Generator` (seeded from `seed`, or randomly),
   so a seeded request is reproducible whatever its batch neighbours are.
 - Stop strings are searched in the decoded output; the token completing the match is kept.
@@ -84,6 +85,7 @@ class _Request:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     sent: int = 0
     """Output tokens already delivered to the caller."""
     finish: FinishReason | None = None
@@ -428,11 +430,18 @@ class LocalEngine:
         temps = torch.tensor([r.params.temperature or 1.0 for r in reqs]).unsqueeze(1)
         logp = torch.log_softmax(logits / temps, dim=-1)
         greedy = logits.argmax(-1).tolist()
+        k = max(r.params.top_logprobs for r in reqs)
+        top = logp.topk(min(k, logp.shape[-1])) if k else None
         for i, req in enumerate(reqs):
             p = req.params
             token = greedy[i] if p.greedy else _draw(logp[i], p.top_k, p.top_p, req.generator)
             req.output.append(token)
             req.logprobs.append(float(logp[i, token]))
+            if p.top_logprobs:
+                ids = top.indices[i, : p.top_logprobs].tolist()
+                req.top_logprobs.append(
+                    list(zip(ids, top.values[i, : p.top_logprobs].tolist(), strict=True))
+                )
             req.versions.append(self._version)
             if token in req.stop_ids:
                 req.finish = "stop"
@@ -450,7 +459,10 @@ class LocalEngine:
                 self._active.pop(req.id, None)
         if error is None:
             item: Chunk | BaseException = Chunk(
-                req.output[req.sent :], req.logprobs[req.sent :], req.versions[req.sent :]
+                req.output[req.sent :],
+                req.logprobs[req.sent :],
+                req.versions[req.sent :],
+                top_logprobs=req.top_logprobs[req.sent :],
             )
             item.finish_reason = req.finish
             req.sent = len(req.output)

@@ -13,7 +13,9 @@ the wire format is restated here as pydantic models, field by field, from SGLang
   (`{"type": "stop", "matched": ID-or-string}`, `{"type": "length", "length": N}` or
   `{"type": "abort", "message": ...}`), `prompt_tokens`, `completion_tokens`,
   `weight_version` (a string; `"default"` until the first versioned update) and, with
-  `return_logprob`, `output_token_logprobs = [[logprob, token_id, text-or-null], ...]`.
+  `return_logprob`, `output_token_logprobs = [[logprob, token_id, text-or-null], ...]`; with
+  `top_logprobs_num=k` (a top-level field, not a sampling one) also `output_top_logprobs`, one
+  list of k such triples per output position.
   The EOS id is in `output_ids` but not in `text`; we never use `text`.
 - Streaming is SSE (`data: {...}` events, then `data: [DONE]`). Events are cumulative (the whole
   output so far) unless the server runs with `--incremental-streaming-output` (deltas). Both are
@@ -97,6 +99,7 @@ class GenerateRequest(BaseModel):
     rid: str | None = None
     return_logprob: bool = True
     logprob_start_len: int = -1
+    top_logprobs_num: int | None = None
     stream: bool = False
 
 
@@ -120,6 +123,7 @@ class MetaInfo(BaseModel):
     cached_tokens: int | None = None
     weight_version: str | int | None = None
     output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    output_top_logprobs: list[list[tuple[float | None, int, str | None]] | None] | None = None
     input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
 
 
@@ -517,6 +521,7 @@ class SGLangEngine:
         request = GenerateRequest(
             input_ids=input_ids,
             sampling_params=SGLangSamplingParams.from_params(params),
+            top_logprobs_num=params.top_logprobs or None,
             rid=request_id or uuid.uuid4().hex,
             stream=stream,
         )
@@ -552,11 +557,16 @@ class SGLangEngine:
         fresh = entries[len(entries) - new :] if new else []
         if not fresh and finish is None:
             return None
+        tops = meta.output_top_logprobs or []
+        fresh_tops = tops[len(tops) - new :] if new and len(tops) >= new else []
         return Chunk(
             token_ids=[e[1] for e in fresh],
             logprobs=[float(e[0]) if e[0] is not None else 0.0 for e in fresh],
             versions=[self._weight_version] * len(fresh),
             finish_reason=_FINISH.get(finish.type, "abort") if finish is not None else None,
+            top_logprobs=[
+                [(e[1], float(e[0])) for e in row or [] if e[0] is not None] for row in fresh_tops
+            ],
         )
 
     async def _weight_update(self, path: str, body: dict[str, Any], version: int | None) -> None:
