@@ -56,6 +56,13 @@ def test_cli_errors_are_one_clear_line():
     )
     assert "did you mean recipe=quickstart" in out.stderr
 
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.run", "recipe=blackbox", "agent.sandbox.image=ls-no:1"],
+        capture_output=True,
+        text=True,
+    )  # a missing image (or no Docker engine) stops the run before anything loads
+    assert "agent.sandbox.kind=docker: no " in out.stderr and "Traceback" not in out.stderr
+
 
 @pytest.mark.docker
 async def test_black_box_agent_in_docker_trains(tmp_path):

@@ -27,6 +27,7 @@ from gateway.config import ConfigError
 from gateway.engines import make_engine
 from gateway.models import resolve_model
 from gateway.server import Gateway, GatewayConfig
+from sandbox.image import docker_unavailable
 from trainer.agentflow import AgentFlow
 from trainer.backends import make_backend
 from trainer.buffer import PromptStream
@@ -88,6 +89,10 @@ class EnvEvaluator:
 
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     """Run `cfg` to the end; everything started here is stopped before returning."""
+    if cfg.agent.kind == "command" and cfg.agent.sandbox.kind == "docker":
+        # Fail before loading anything, not with every rollout aborted.
+        if why := docker_unavailable(cfg.agent.sandbox.image):
+            raise ConfigError(f"agent.sandbox.kind=docker: {why} (or agent.sandbox.kind=local)")
     model_path = resolve_model(cfg.model.name)
     mode = cfg.rollout.partial_rollout
     use_ray = cfg.ray.enabled and cfg.engine.kind == "local"
