@@ -148,13 +148,17 @@ async def test_async_run_overlaps_and_bounds_staleness(tmp_path, tiny_model_path
     assert len(source.spans) > 4 * 2 * 3  # and it ran ahead of the trainer
 
 
-async def test_failing_rollouts_are_data(tmp_path, tiny_model_path):
-    ctl, _, _, _, _ = await run_toy(
+async def test_failing_rollouts_are_data(tmp_path, tiny_model_path, caplog):
+    ctl, summary, _, _, _ = await run_toy(
         tmp_path, tiny_model_path, "run.steps=2", "rollout.num_samples_per_prompt=3",
         source=ToySource(fail_every=4),
     )  # fmt: skip
-    assert ctl.batcher.abort_reasons["RuntimeError: agent crashed"] >= 1
-    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["rollout/aborted_samples"] >= 1
+    n = ctl.batcher.abort_reasons["RuntimeError: agent crashed"]
+    assert n >= 1 and summary.aborted == {"RuntimeError: agent crashed": n}
+    assert f"aborted rollouts: {n} ({n}x RuntimeError: agent crashed)" in summary.text()
+    assert 1 <= read_metrics(tmp_path / "metrics.jsonl")[-1]["rollout/aborted_samples"] <= n
+    warned = [r for r in caplog.records if "not trained on: RuntimeError" in r.getMessage()]
+    assert len(warned) == n
 
 
 async def test_resume_trains_the_same_next_batch(tmp_path, tiny_model_path):

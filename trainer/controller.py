@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import sys
 import time
@@ -47,6 +48,8 @@ from trainer.buffer import Batch, GroupBatcher, PromptStream, StalenessGate
 from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLogger, plot_run
 from trainer.weights import WeightPush
+
+log = logging.getLogger("loongsage.controller")
 
 
 class RolloutSource(Protocol):
@@ -93,6 +96,8 @@ class Summary:
     eval_last: dict[str, float] = field(default_factory=dict)
     plots: list[Path] = field(default_factory=list)
     final_model: Path | None = None
+    aborted: dict[str, int] = field(default_factory=dict)
+    """Rollouts that ended `aborted` or `error` (never trained on), by reason."""
 
     def text(self) -> str:
         def fmt(x: float | None) -> str:
@@ -104,6 +109,10 @@ class Summary:
         ]
         for key in sorted(self.eval_last):
             lines.append(f"  {key}: {fmt(self.eval_first.get(key))} -> {fmt(self.eval_last[key])}")
+        if self.aborted:
+            top = sorted(self.aborted.items(), key=lambda kv: -kv[1])[:3]
+            reasons = "; ".join(f"{n}x {reason[:120]}" for reason, n in top)
+            lines.append(f"  aborted rollouts: {sum(self.aborted.values())} ({reasons})")
         lines.append(f"  plots: {', '.join(str(p) for p in self.plots)}")
         lines.append(f"  model: {self.final_model} (Hugging Face folder)")
         return "\n".join(lines)
@@ -199,6 +208,10 @@ class Controller:
                 reason=f"{type(e).__name__}: {e}",
             )
         traj.metadata.setdefault("sample_index", sample_index)
+        if traj.status != "ok":
+            log.warning(
+                "rollout %s %s, not trained on: %s", traj.session_id, traj.status, traj.reason
+            )
         async with self._cond:
             done = self.batcher.add(group_id, traj)
             if done is not None:
@@ -386,6 +399,7 @@ class Controller:
             await asyncio.gather(admission, *self._tasks, return_exceptions=True)
             self.log.close()
         summary.eval_last = last_eval
+        summary.aborted = dict(self.batcher.abort_reasons)
         summary.final_model = self.run_dir / "final"
         await asyncio.to_thread(self.backend.save_hf, summary.final_model)
         summary.plots = await asyncio.to_thread(plot_run, self.run_dir)
