@@ -1,6 +1,7 @@
 """Async vs synchronous RL, side by side: the same workload with max_staleness 0, 1 and 2.
 
     .venv/bin/python bench/async.py                       # tiny model, quick
+    .venv/bin/python bench/async.py tool_s=0.5            # rollouts also wait on an environment
     .venv/bin/python bench/async.py model=smollm2 steps=6
 
 Each setting runs the real loop (`trainer.controller.Controller`): the embedded engine
@@ -9,7 +10,13 @@ after every step. The workload has long-tailed response lengths: each sample's l
 from a Pareto distribution (seeded, the same draws for every setting) and forced with
 `ignore_eos`, so a few long generations hold up a synchronous batch while the rest of the
 engine idles. Rollouts call the engine directly (no gateway or env), so the benchmark measures
-the controller's overlap of generation and training, not agent overheads.
+the controller's overlap of generation and training, not agent overheads. With `tool_s > 0`
+each rollout first waits on its "environment" (tool calls, a sandbox starting) for a
+long-tailed time that uses no CPU, as agent rollouts do.
+
+On a machine where the engine and the trainer share the same few cores, pure generation leaves
+async little to overlap: both are CPU-bound, so what the trainer computes the engine loses.
+Time spent waiting on environments is what async turns into throughput there.
 
 Reported per setting: generated tokens per second of wall time (the first step, which loads
 and warms up everything, is excluded), the mean `time/trainer_idle_frac`, the mean and max
@@ -57,6 +64,9 @@ class BenchConfig:
     """Longest response."""
     alpha: float = 1.2
     """Pareto shape: smaller means a longer tail."""
+    tool_s: float = 0.0
+    """Shortest environment wait per rollout, seconds; waits are tool_s * Pareto(alpha), capped
+    at 20 * tool_s. 0 = pure generation."""
     max_batch_size: int = 32
     """Engine's continuous-batching limit."""
     lr: float = 1e-5
@@ -76,6 +86,8 @@ class LongTailSource:
         rng = random.Random(seed)
         b = self.bench
         length = min(b.max_tokens, int(b.min_tokens * rng.paretovariate(b.alpha)))
+        if b.tool_s:
+            await asyncio.sleep(min(20 * b.tool_s, b.tool_s * rng.paretovariate(b.alpha)))
         ids = [1, 100 + prompt % 1000, 200 + prompt % 97]
         params = SamplingParams(max_tokens=length, temperature=1.0, seed=seed, ignore_eos=True)
         gen = await self.engine.generate(ids, params)
@@ -133,7 +145,8 @@ async def main(argv: list[str]) -> None:
     base = results[0]["tokens_per_s"]
     print(f"\nasync benchmark: model={bench.model}, {bench.steps} steps, "
           f"{bench.batch_size}x{bench.num_samples_per_prompt} samples/step, "
-          f"lengths {bench.min_tokens}*Pareto({bench.alpha}) <= {bench.max_tokens}")  # fmt: skip
+          f"lengths {bench.min_tokens}*Pareto({bench.alpha}) <= {bench.max_tokens}, "
+          f"env waits {bench.tool_s}*Pareto({bench.alpha}) s")  # fmt: skip
     print(f"{'max_staleness':>13} {'tokens/s':>10} {'vs sync':>8} {'trainer idle':>13} "
           f"{'staleness mean/max':>19} {'dropped stale':>13}")  # fmt: skip
     for r in results:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_async_bench_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "async.py"), "steps=3", "batch_size=2",
-           "num_samples_per_prompt=2", "max_tokens=32", f"out={tmp_path}"]  # fmt: skip
+           "num_samples_per_prompt=2", "max_tokens=32", "tool_s=0.05", f"out={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
