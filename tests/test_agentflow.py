@@ -63,6 +63,17 @@ def test_bad_agent_configs_are_clear_errors(gateway):
         AgentFlow(gateway, RolloutConfig(env="loongsage/Calk-v0"))
 
 
+async def black_box_rollout(gateway, tmp_path, seed: int, **agent):
+    """One `agent.kind=command` rollout in a local sandbox wired to `gateway` over a Unix socket."""
+    sock = str(tmp_path / "gw.sock")
+    server = await gateway.start_http(port=0, uds=sock)
+    try:
+        cfg = AgentConfig(kind="command", sandbox=SandboxConfig(kind="local"), **agent)
+        return await AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=sock).rollout(seed)
+    finally:
+        await server.stop()
+
+
 @pytest.mark.parametrize(
     ("command", "status", "reason"),
     [
@@ -73,15 +84,7 @@ def test_bad_agent_configs_are_clear_errors(gateway):
     ],
 )
 async def test_black_box_rollout_outcomes(gateway, tmp_path, command, status, reason):
-    server = await gateway.start_http(port=0, uds=str(tmp_path / "gw.sock"))
-    try:
-        cfg = AgentConfig(
-            kind="command", command=command, timeout_s=5, sandbox=SandboxConfig(kind="local")
-        )
-        flow = AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=str(tmp_path / "gw.sock"))
-        traj = await flow.rollout(1)
-    finally:
-        await server.stop()
+    traj = await black_box_rollout(gateway, tmp_path, 1, command=command, timeout_s=5)
     assert traj.status == status and reason in traj.reason
     assert traj.reward in (0.0, 1.0)
 
@@ -93,24 +96,9 @@ async def test_black_box_agent_gets_the_task_and_the_envs_instructions(gateway, 
         " i = pathlib.Path('instructions.txt').read_text();"
         " assert sys.argv[1:] == [t, i], sys.argv; print(t); print('|' + i)"
     )
-    sock = str(tmp_path / "gw.sock")
-    server = await gateway.start_http(port=0, uds=sock)
-    try:
-        cfg = AgentConfig(
-            kind="command",
-            command=[
-                "python3",
-                "-c",
-                script + "; open('answer.txt', 'w').write('Answer: x')",
-                "{task}",
-                "{instructions}",
-            ],
-            timeout_s=10,
-            sandbox=SandboxConfig(kind="local"),
-        )
-        traj = await AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=sock).rollout(1)
-    finally:
-        await server.stop()
+    script += "; open('answer.txt', 'w').write('Answer: x')"
+    command = ["python3", "-c", script, "{task}", "{instructions}"]
+    traj = await black_box_rollout(gateway, tmp_path, 1, command=command, timeout_s=10)
     assert traj.status == "ok", (traj.reason, traj.info)
     task, instructions = traj.info["stdout_tail"].split("\n|")
     assert task.startswith(tuple(calc._NAMES)) and "How many" in task
@@ -122,19 +110,11 @@ async def test_unmodified_openai_agent_in_a_sandbox_is_trained_on(gateway, tmp_p
     """The example agent knows nothing of LoongSage; its calls land in its session's token log."""
     import sys
 
-    sock = str(tmp_path / "gw.sock")
-    server = await gateway.start_http(port=0, uds=sock)
-    try:
-        cfg = AgentConfig(
-            kind="command",
-            command=[sys.executable, "agent.py"],
-            files={"agent.py": "examples/agents/openai_tool_agent.py"},
-            timeout_s=120,
-            sandbox=SandboxConfig(kind="local"),
-        )
-        traj = await AgentFlow(gateway, RolloutConfig(), cfg, gateway_socket=sock).rollout(2)
-    finally:
-        await server.stop()
+    files = {"agent.py": "examples/agents/openai_tool_agent.py"}
+    command = [sys.executable, "agent.py"]
+    traj = await black_box_rollout(
+        gateway, tmp_path, 2, command=command, files=files, timeout_s=120
+    )
     assert traj.status == "ok", (traj.reason, traj.info)
     assert traj.turns, "the agent's model calls must be in its trajectory"
     for seg in traj.segments:
