@@ -23,8 +23,11 @@ def traj(reward: float, versions: list[int], status: str = "ok", reason: str = "
     return Trajectory("s", status=status, reason=reason, reward=reward, segments=[seg])
 
 
-def simulate(max_staleness: int, batch_size: int = 4, steps: int = 12, seed: int = 0):
-    """Run the gate + batcher against simulated rollouts; return per-step observations."""
+def simulate(
+    max_staleness: int, batch_size: int = 4, steps: int = 12, seed: int = 0, wait_for_old=True
+):
+    """Run the gate + batcher against simulated rollouts, as the controller does; return
+    per-step observations."""
     rng = random.Random(seed)
     n = 2
     gate = StalenessGate(batch_size, max_staleness)
@@ -42,7 +45,8 @@ def simulate(max_staleness: int, batch_size: int = 4, steps: int = 12, seed: int
             next_gid += 1
         if train_until is None:
             gate.unaccept(batcher.drop_stale(gate.version))
-            if batcher.num_ready() >= batch_size:
+            waiting = wait_for_old and batcher.waiting_for_old(gate.version)
+            if batcher.num_ready() >= batch_size and not waiting:
                 batch = batcher.pop_batch(gate.version)
                 trained.append({"version": gate.version, "staleness": batch.staleness})
                 train_until = now + 1.0
@@ -76,6 +80,24 @@ def test_async_lag_is_bounded(max_staleness):
     assert max(lags) <= max_staleness  # never older than the window
     assert max(lags) >= 1  # and the window is actually used
     assert any(r > 0 for r in running_while_training)  # generation overlaps training
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_waiting_for_old_groups_trains_long_rollouts_instead_of_dropping_them(max_staleness):
+    drops = {}
+    for wait in (False, True):
+        *_, batcher = simulate(max_staleness, steps=60, wait_for_old=wait)
+        drops[wait] = batcher.drops["stale"]
+    assert drops[False] >= 10 and drops[True] <= drops[False] // 5, drops
+
+
+def test_waiting_for_old():
+    b = GroupBatcher(batch_size=2, num_samples_per_prompt=1, max_staleness=1)
+    b.open(0, "p", version=0)
+    assert not b.waiting_for_old(0)  # admitted at the current version: not old yet
+    assert b.waiting_for_old(1)  # the step at version 1 is its last chance
+    b.add(0, traj(1.0, [0]))
+    assert not b.waiting_for_old(1)  # complete: nothing to wait for
 
 
 def test_gate_window_arithmetic():

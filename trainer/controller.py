@@ -11,7 +11,9 @@
 Admission and rollouts run as asyncio tasks next to the train loop, so generation continues
 while the trainer trains and syncs; only the staleness window holds them back:
 `accepted + running <= (max_staleness + version + 1) * batch_size` (trainer/buffer.py).
-`max_staleness=0` admits one batch per version: synchronous RL, same code.
+`max_staleness=0` admits one batch per version: synchronous RL, same code. A train step also
+waits for the groups admitted max_staleness versions ago (they could not wait another step), so
+long rollouts are trained on rather than dropped as too stale.
 
 Rollouts come from a `RolloutSource` (AgentFlow over the gateway in `trainer.run`; anything that
 returns a Trajectory in tests). A rollout that raises becomes an `error` trajectory: data, not a
@@ -227,7 +229,9 @@ class Controller:
                 if stale:
                     self.gate.unaccept(stale)
                     self._cond.notify_all()
-                if self.batcher.num_ready() >= self.cfg.rollout.batch_size:
+                if self.batcher.num_ready() >= self.cfg.rollout.batch_size and not (
+                    self.batcher.waiting_for_old(self.version)
+                ):
                     return self.batcher.pop_batch(self.version)
                 if self._admission_error is not None:
                     raise RuntimeError("admitting rollouts failed") from self._admission_error
