@@ -402,6 +402,7 @@ class Gateway:
                 await self.close_session(
                     session.id, "ok", f"idle: no request for {self.cfg.idle_session_s:g} s"
                 )
+                self.sessions.archive(session)  # frees the id: the key's next call starts anew
 
     def _get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -442,13 +443,6 @@ class Gateway:
             if len(sid) > 256:
                 raise ApiError(400, "session id (the API key in open mode) is over 256 characters")
             session = self.sessions.get(sid)
-            if (
-                session is not None
-                and session.closed
-                and session.trajectory.reason.startswith("idle:")
-            ):
-                self.sessions.archive(session)
-                session = None
             if session is None:
                 session = self.sessions.create(session_id=sid, api_key=sid)
         else:

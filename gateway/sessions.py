@@ -5,8 +5,8 @@ used to render the next prompt, the reward the controller attaches, and its in-f
 (for the per-session concurrency limit and for aborting them on close). `SessionStore` finds
 sessions by id and by API key and forgets the oldest closed ones beyond a bound, so a long
 training run does not grow without limit. In open mode the gateway also closes sessions idle for
-`idle_session_s`; a key that comes back after that starts a fresh session under its id, and the
-closed one stays exportable as `<id>~1` (then `~2`, ...).
+`idle_session_s` and moves each to `<id>~1` (then `~2`, ...), where it stays exportable; a key
+that comes back after that starts a fresh session under its id.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class SessionStore:
             if gone is not None:
                 self._by_key.pop(gone.api_key, None)
 
-    def archive(self, session: Session) -> str:
+    def archive(self, session: Session) -> None:
         """Move a closed session to a free id `<id>~<n>`, so its id can start a new session."""
         n = 1
         while f"{session.id}~{n}" in self._by_id:
@@ -141,7 +141,6 @@ class SessionStore:
         session.id = session.trajectory.session_id = new_id
         self._by_id[new_id] = session
         self._closed[new_id] = None
-        return new_id
 
     def all(self) -> list[Session]:
         return list(self._by_id.values())

@@ -229,9 +229,9 @@ async def test_open_mode_closes_idle_sessions(engine, renderer, tiny_model_path)
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         for _ in range(40):
             await asyncio.sleep(0.05)
-            if gw.sessions.get("agent-7").closed:
+            if gw.sessions.get("agent-7") is None:  # closed and moved to agent-7~1
                 break
-        old = (await c.get("/sessions/agent-7/trajectory")).json()
+        old = (await c.get("/sessions/agent-7~1/trajectory")).json()
         assert old["status"] == "ok" and old["reason"].startswith("idle:")
         assert len(old["turns"]) == 1
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
