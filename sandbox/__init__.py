@@ -7,21 +7,23 @@ See `sandbox/base.py` for the interface, `sandbox/docker_backend.py` and
 """
 
 from sandbox.base import (
-    BACKENDS,
+    SANDBOXES,
     RunResult,
     Sandbox,
     SandboxConfig,
     SandboxError,
     open_sandbox,
     run_once,
+    unavailable,
 )
 
 __all__ = [
-    "BACKENDS",
+    "SANDBOXES",
     "RunResult",
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
     "open_sandbox",
     "run_once",
+    "unavailable",
 ]

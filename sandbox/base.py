@@ -11,9 +11,10 @@ out of a private work dir; stdout/stderr are captured.
         res = sb.run(["python3", "agent.py"], env={"OPENAI_API_KEY": session_key})
         files = sb.get_files(["answer.txt"])
 
-Backends (chosen by `kind`, registered in `BACKENDS`): `docker` (`sandbox/docker_backend.py`)
-and `local` (`sandbox/local_backend.py`: bubblewrap, or a bare process group). Each module's
-docstring says what isolation it does *not* give.
+Backends (chosen by `kind`, registered in `SANDBOXES` by a lazy entry point: a class built from
+the `SandboxConfig`): `docker` (`sandbox/docker_backend.py`) and `local`
+(`sandbox/local_backend.py`: bubblewrap, or a bare process group). Each module's docstring says
+what isolation it does *not* give.
 
 A misbehaving agent is data, not an exception: `run` returns a `RunResult` whose `status` is
 `ok` (exit code 0), `error` (non-zero exit, or the sandbox could not run it), `timeout` (wall
@@ -31,14 +32,20 @@ import logging
 import os
 import signal
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
+
+from gateway.registry import Registry
 
 log = logging.getLogger("loongsage.sandbox")
 
 DEFAULT_IMAGE = "loongsage-sandbox:latest"
 Status = Literal["ok", "timeout", "killed", "error"]
+
+SANDBOXES: Registry[Sandbox] = Registry("sandbox.kind")
+SANDBOXES.register("docker", "sandbox.docker_backend:DockerSandbox")
+SANDBOXES.register("local", "sandbox.local_backend:LocalSandbox")
 
 
 class SandboxError(RuntimeError):
@@ -47,7 +54,7 @@ class SandboxError(RuntimeError):
 
 @dataclasses.dataclass
 class SandboxConfig:
-    kind: Literal["local", "docker"] = "local"
+    kind: str = "local"
     """Backend: `docker` (a container per run) or `local` (bubblewrap if present, else a bare process group)."""
     image: str = DEFAULT_IMAGE
     """Docker image (needs `python3` when a gateway is wired); build the default with `python -m sandbox.image build`."""
@@ -79,6 +86,7 @@ class SandboxConfig:
     """local+bwrap: extra host paths bound read-only at the same place (the system dirs and this Python are always bound)."""
 
     def __post_init__(self) -> None:
+        SANDBOXES.check(self.kind)
         positive = ("memory_mb", "cpus", "pids", "timeout_s", "disk_mb", "output_limit_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -135,30 +143,18 @@ class Sandbox(Protocol):
     ) -> RunResult: ...
 
 
-def _docker_backend(cfg: SandboxConfig) -> Sandbox:
-    from sandbox.docker_backend import DockerSandbox
-
-    return DockerSandbox(cfg)
-
-
-def _local_backend(cfg: SandboxConfig) -> Sandbox:
-    from sandbox.local_backend import LocalSandbox
-
-    return LocalSandbox(cfg)
-
-
-BACKENDS: dict[str, Callable[[SandboxConfig], Sandbox]] = {
-    "docker": _docker_backend,
-    "local": _local_backend,
-}
+def unavailable(cfg: SandboxConfig) -> str:
+    """'' when a sandbox of `cfg` can open here, else why not and what to do; cheap, for failing
+    before a run loads anything. A backend class with such a check defines a static
+    `unavailable(cfg) -> str`; the others can always try."""
+    check = getattr(SANDBOXES.load(cfg.kind), "unavailable", None)
+    return check(cfg) if check is not None else ""
 
 
 @contextlib.contextmanager
 def open_sandbox(cfg: SandboxConfig) -> Iterator[Sandbox]:
     """Start a sandbox of `cfg.kind`; everything it started is stopped on exit, even if start failed."""
-    if cfg.kind not in BACKENDS:
-        raise ValueError(f"sandbox.kind {cfg.kind!r}: use one of {', '.join(BACKENDS)}")
-    sb = BACKENDS[cfg.kind](cfg)
+    sb = SANDBOXES.build(cfg.kind, cfg)
     _live.add(sb)
     try:
         sb.start()

@@ -82,6 +82,14 @@ class DockerSandbox:
         self.user = "65534:65534"
         self._stop_lock = threading.Lock()
 
+    @staticmethod
+    def unavailable(cfg: SandboxConfig) -> str:
+        """'' when the Docker engine answers and has `cfg.image`, else why not (see base.py)."""
+        from sandbox.image import docker_unavailable
+
+        why = docker_unavailable(cfg.image)
+        return f"{why} (or use kind=local)" if why else ""
+
     # ---- lifecycle ----
 
     def start(self) -> None:

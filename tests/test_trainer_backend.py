@@ -212,7 +212,8 @@ def test_cuda_bf16_step(tiny_model_path, tmp_path):
 
 def test_samples_from_batch_broadcasts_group_advantages_to_segments():
     from gateway.trajectory import Segment, Trajectory
-    from trainer.backends import samples_from_batch
+    from trainer.algorithms import trajectory_advantages
+    from trainer.backends import train_samples
     from trainer.buffer import Batch, Group
 
     def traj(reward, segments):
@@ -230,7 +231,8 @@ def test_samples_from_batch_broadcasts_group_advantages_to_segments():
     ]
     group.dropped = [Trajectory("x", status="aborted", reward=1.0)]
     batch = Batch(groups=[group], version=0, staleness={})
-    samples = samples_from_batch(batch, "drgrpo")  # mean 0.5 -> +0.5, -0.5
+    advantages = trajectory_advantages([g.rewards for g in batch.groups], "drgrpo")
+    samples = train_samples(batch, advantages)  # mean 0.5 -> +0.5, -0.5
     assert [(s.token_ids, s.advantage) for s in samples] == [
         ([1, 2, 3], 0.5),
         ([1, 9, 4], 0.5),

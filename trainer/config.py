@@ -20,6 +20,8 @@ from typing import Any, Literal
 from gateway.config import parse_cli
 from gateway.engines import EngineConfig
 from sandbox import SandboxConfig
+from trainer.agents import AGENTS
+from trainer.backends import TRAIN_BACKENDS
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -80,9 +82,9 @@ class RolloutConfig:
 
 @dataclass
 class AgentConfig:
-    kind: Literal["tool_loop", "command"] = "tool_loop"
+    kind: str = "tool_loop"
     """`tool_loop`: the built-in white-box agent steps the env; `command`: a black-box program
-    runs in a sandbox and the env's verifier scores the `answer.txt` it leaves."""
+    runs in a sandbox and the env's verifier scores the `answer.txt` it leaves (trainer/agents)."""
     command: list[str] = field(default_factory=list)
     """kind=command: the program to run, e.g. [python3, agent.py]; `{task}` and `{instructions}`
     are replaced by the task text and the env's instructions (also in task.txt and
@@ -95,6 +97,7 @@ class AgentConfig:
     """kind=command: the sandbox each rollout runs in (a fresh one per rollout)."""
 
     def __post_init__(self) -> None:
+        AGENTS.check(self.kind)
         if self.kind == "command" and not self.command:
             raise ValueError(
                 "command: kind=command needs the program to run, e.g. [python3, agent.py]"
@@ -143,7 +146,7 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainBackendConfig:
-    kind: Literal["torch", "megatron"] = "torch"
+    kind: str = "torch"
     """Train backend: `torch` (CPU or one GPU) or `megatron` (needs the megatron extra and GPUs)."""
     device: str = "auto"
     """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`."""
@@ -165,6 +168,7 @@ class TrainBackendConfig:
     """Recompute activations in backward to save memory."""
 
     def __post_init__(self) -> None:
+        TRAIN_BACKENDS.check(self.kind)
         _positive("lr", self.lr)
         _non_negative("warmup_steps", self.warmup_steps)
         _non_negative("weight_decay", self.weight_decay)
@@ -180,11 +184,14 @@ class EvalConfig:
     """Held-out prompts per evaluation."""
     temperature: float = 0.0
     """Sampling temperature for evaluation (0 = greedy)."""
+    concurrency: int = 16
+    """Evaluation episodes in flight at once."""
 
     def __post_init__(self) -> None:
         _non_negative("every", self.every)
         _non_negative("n", self.n)
         _non_negative("temperature", self.temperature)
+        _positive("concurrency", self.concurrency)
 
 
 @dataclass

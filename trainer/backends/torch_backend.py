@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.models import resolve_model
 from trainer.algorithms import policy_loss, reduce_metrics
-from trainer.backends import TrainSample
-from trainer.config import AlgorithmConfig, TrainBackendConfig
+from trainer.backends.base import TrainSample
+from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 CHECKPOINT_FILE = "trainer.pt"
 
@@ -126,6 +127,18 @@ class TorchBackend:
             lambda s: lr_factor(s, train.warmup_steps, total_steps, train.lr_schedule),
         )
         self._step = 0
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> TorchBackend:
+        """The backend of a run (`train.kind=torch`): cfg.model trained with cfg.train."""
+        return cls(
+            resolve_model(cfg.model.name),
+            cfg.train,
+            cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            total_steps=cfg.run.steps,
+            seed=cfg.run.seed,
+        )
 
     @property
     def step(self) -> int:
