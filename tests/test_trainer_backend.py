@@ -210,7 +210,7 @@ def test_cuda_bf16_step(tiny_model_path, tmp_path):
     assert backend.load_checkpoint(tmp_path / "ckpt") == {}
 
 
-def test_samples_from_batch_broadcasts_group_advantages_to_segments():
+def test_train_samples_broadcast_group_advantages_to_segments():
     from gateway.trajectory import Segment, Trajectory
     from trainer.algorithms import trajectory_advantages
     from trainer.backends import train_samples
