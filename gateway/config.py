@@ -180,7 +180,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 out[_coerce(k, key_tp, f"{key} (a key)")] = _coerce(v, value_tp, f"{key}.{k}")
             except ConfigError as e:
                 if v is None and ":" in str(k):  # YAML: `{a:b}` is the key 'a:b' with no value
-                    raise ConfigError(f"{e}; write `{{a: b}}`, with a space after the colon")
+                    raise ConfigError(
+                        f"{e}; write `{{a: b}}`, with a space after the colon"
+                    ) from None
                 raise
         return out
     if tp is float and isinstance(value, int) and not isinstance(value, bool):

@@ -246,16 +246,19 @@ def ro_bind_paths(cfg: SandboxConfig) -> list[str]:
 
 
 def venv_base_prefixes(path: str) -> list[str]:
-    """Install prefix(es) of the Python the venv at `path` was made from; [] when it is no venv."""
+    """Install prefixes of the Python the venv at `path` was made from ([] when it is no venv):
+    its `home` as written in pyvenv.cfg (a venv's python links there) and where that resolves."""
     cfg = Path(path, "pyvenv.cfg")
     if not cfg.is_file():
         return []
+    prefixes = set()
     for line in cfg.read_text(errors="replace").splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.strip() == "home":
-            home = Path(value.strip())  # the base Python's bin dir
-            return sorted({str(home.parent), str(Path(os.path.realpath(home)).parent)})
-    return []
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if sep and key == "home":  # the base Python's bin dir
+            prefixes |= {str(Path(value).parent), str(Path(os.path.realpath(value)).parent)}
+        elif sep and key == "executable":  # the base Python itself (Python >= 3.11 writes it)
+            prefixes.add(str(Path(os.path.realpath(value)).parent.parent))
+    return sorted(prefixes)
 
 
 def check_gateway_socket(path: str | None, other_uid: bool) -> None:

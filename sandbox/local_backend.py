@@ -5,17 +5,24 @@ session:
 
 - **bwrap** (`local_isolation=bwrap`, the default when installed): new pid, net, ipc, uts and
   cgroup namespaces (the net namespace has only its own loopback, so no network), the system
-  dirs (`/usr`, `/etc`, `/lib*`, ...) and this Python's prefix bound read-only, a private
-  writable work dir at `/home/sandbox`, a fresh `/tmp`, `--die-with-parent`. Killing bwrap
-  kills the whole pid namespace. Not root: a user namespace too (unprivileged bwrap). Root: bwrap
-  runs privileged (so it can bind a Python that lives under `/root`) and the agent is dropped to
-  the sandbox's own uid by `setpriv --no-new-privs` before anything of it runs.
+  dirs (`/usr`, `/etc`, `/lib*`, ...), this Python's prefix and `ro_binds` (an agent's own venv,
+  with the Python it was made from) bound read-only, a private writable work dir at
+  `/home/sandbox`, a fresh `/tmp`, `--die-with-parent`. Killing bwrap kills the whole pid
+  namespace. Not root: a user namespace too (unprivileged bwrap). Root: bwrap runs privileged
+  (so it can bind a Python that lives under `/root`) and the agent is dropped to the sandbox's
+  own uid by `setpriv --no-new-privs` before anything of it runs.
 - **process** (no bwrap): the command runs on the host in the work dir, in its own process
   group. It has the host's network and file system (read access as its uid). It is logged as
   less isolation, and `isolation` says so. The forwarder runs as a thread on the host (a free
-  port of the shared loopback), and `python3` is whatever the sandbox uid finds on PATH.
+  port of the shared loopback). As root the agent is dropped to the sandbox's uid by `setpriv`
+  too, in a private mount namespace (`unshare --mount`) where each folder it may not enter but
+  needs (this Python or a `ro_binds` venv under `/root`, 0700) is covered by a skeleton holding
+  only those paths, read-only; the host's own folders are left as they are.
 
-In both: rlimits (RLIMIT_DATA = memory_mb per process, RLIMIT_NPROC = pids, RLIMIT_CPU as a
+In both, `python3` is this interpreter (its agent libraries importable) and an agent in its own
+venv runs as `VENV/bin/python` or `VENV/bin/TOOL` once the venv is in `ro_binds`.
+
+Limits, in both: rlimits (RLIMIT_DATA = memory_mb per process, RLIMIT_NPROC = pids, RLIMIT_CPU as a
 backstop of timeout_s x ceil(cpus), RLIMIT_FSIZE = disk_mb, no core files), CPU affinity to
 ceil(cpus) cores, and a wall-time timeout that SIGKILLs the process group (and, as root, every
 process of the sandbox's uid). When run as root, every sandbox gets its own uid

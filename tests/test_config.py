@@ -89,7 +89,9 @@ def test_nested_mapping_errors_name_the_key_and_the_value():
     cfg = load_config(WithMapping, None, ["agent.files={agent.py: /path, n: 3}"])
     assert cfg.agent.files == {"agent.py": "/path", "n": "3"}
     # YAML reads `{a:b}` (no space) as the key "a:b" with no value
-    with pytest.raises(ConfigError, match=r"agent\.files\.agent\.py:/path: expected str, got None;"):
+    with pytest.raises(
+        ConfigError, match=r"agent\.files\.agent\.py:/path: expected str, got None;"
+    ):
         load_config(WithMapping, None, ["agent.files={agent.py:/path}"])
     with pytest.raises(ConfigError, match=r"agent\.files\.x: expected str, got \[1, 2\]"):
         load_config(WithMapping, None, ["agent.files.x=[1, 2]"])
