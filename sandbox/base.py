@@ -82,8 +82,8 @@ class SandboxConfig:
     """Keep at most this many trailing bytes of stdout and of stderr per run."""
     local_isolation: Literal["auto", "bwrap", "process"] = "auto"
     """local backend: `bwrap` (namespaces), `process` (rlimits only, less isolation), `auto` = bwrap when installed."""
-    local_ro_binds: list[str] = dataclasses.field(default_factory=list)
-    """local+bwrap: extra host paths bound read-only at the same place (the system dirs and this Python are always bound)."""
+    ro_binds: list[str] = dataclasses.field(default_factory=list)
+    """Host paths (absolute) the agent may read, at the same path inside, e.g. an agent's own venv; a venv's base Python (pyvenv.cfg `home`) comes with it. local: bound read-only (bwrap) or made reachable by the sandbox uid (process mode as root); docker: read-only bind mounts (folders above them are the image's)."""
 
     def __post_init__(self) -> None:
         SANDBOXES.check(self.kind)
@@ -95,6 +95,9 @@ class SandboxConfig:
             raise ValueError(f"sandbox.gateway_port must be in 0..65535, got {self.gateway_port}")
         if not self.gateway_path.startswith("/"):
             raise ValueError(f"sandbox.gateway_path must start with '/', got {self.gateway_path!r}")
+        for path in self.ro_binds:
+            if not os.path.isabs(path):
+                raise ValueError(f"sandbox.ro_binds: {path!r} must be an absolute host path")
 
 
 @dataclasses.dataclass
@@ -211,6 +214,47 @@ INSIDE_DIR = "/opt/loongsage"
 INSIDE_SOCKET = f"{INSIDE_DIR}/gateway.sock"
 INSIDE_FORWARDER = f"{INSIDE_DIR}/forwarder.py"
 FORWARDER_FILE = Path(__file__).with_name("forwarder.py")
+
+
+# Bound (local) or present (docker) anyway; never bound again from a venv's base Python.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+
+
+def outside_system_dirs(paths) -> list[str]:
+    """`paths` without those in or under a system dir, in order, each once."""
+    keep = [p for p in paths if not any(p == s or p.startswith(s + "/") for s in SYSTEM_DIRS)]
+    return list(dict.fromkeys(keep))
+
+
+def ro_bind_paths(cfg: SandboxConfig) -> list[str]:
+    """`cfg.ro_binds` and the base Python of every venv among them; SandboxError if one is missing.
+
+    A venv's `bin/python` is a link to the Python it was made from (pyvenv.cfg `home`), so
+    binding the venv alone gives exit 127 inside; its base prefix comes along unless it is a
+    system dir (bound anyway)."""
+    out: list[str] = []
+    for path in cfg.ro_binds:
+        if not os.path.exists(path):
+            raise SandboxError(f"sandbox.ro_binds: {path!r} does not exist on this host")
+        out.append(path)
+        out += outside_system_dirs(venv_base_prefixes(path))
+    return list(dict.fromkeys(out))
+
+
+def venv_base_prefixes(path: str) -> list[str]:
+    """Install prefixes of the Python the venv at `path` was made from ([] when it is no venv):
+    its `home` as written in pyvenv.cfg (a venv's python links there) and where that resolves."""
+    cfg = Path(path, "pyvenv.cfg")
+    if not cfg.is_file():
+        return []
+    prefixes = set()
+    for line in cfg.read_text(errors="replace").splitlines():
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if sep and key == "home":  # the base Python's bin dir
+            prefixes |= {str(Path(value).parent), str(Path(os.path.realpath(value)).parent)}
+        elif sep and key == "executable":  # the base Python itself (Python >= 3.11 writes it)
+            prefixes.add(str(Path(os.path.realpath(value)).parent.parent))
+    return sorted(prefixes)
 
 
 def check_gateway_socket(path: str | None, other_uid: bool) -> None:
