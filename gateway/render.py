@@ -28,6 +28,7 @@ is rendered from scratch and counted.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Sequence
@@ -362,6 +363,12 @@ class Renderer:
         if self._fast is not None:
             return self._fast.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to (x2 for merges at token boundaries): a text
+        of N characters is at least N / max_token_chars tokens, whatever the tokenizer does."""
+        return 2 * max(len(self.decode([i])) for i in range(len(self.tokenizer)))
 
     def token_text(self, token_id: int) -> str:
         """One token as text (for logprobs); special tokens keep their name."""

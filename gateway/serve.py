@@ -84,8 +84,7 @@ async def serve(cfg: GatewayConfig) -> None:
             [waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED
         )
         print("[loongsage] stopping: draining running requests ...", file=sys.stderr, flush=True)
-        await gateway.shutdown()
-        await server.stop()
+        await gateway.shutdown(then=server.stop)
     finally:
         if token_file is not None:
             with contextlib.suppress(OSError):

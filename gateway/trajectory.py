@@ -139,6 +139,9 @@ class TrajectoryLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        with open(self.path, "ab+") as f:  # end a line a crash cut short, so it stays alone
+            if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
 
     def append(self, traj: Trajectory) -> None:
         """Blocking (an fsync): call it from a worker thread in async code."""
@@ -151,10 +154,11 @@ class TrajectoryLog:
 
 def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
     """The trajectories of a gateway's `log_dir/trajectories.jsonl` (or any file written by
-    `TrajectoryLog`), in the order they closed. A last line cut short by a crash is skipped."""
+    `TrajectoryLog`), in the order they closed. Lines a crash cut short are skipped."""
     with open(path, "rb") as f:
         for line in f:
-            if not line.endswith(b"\n"):
-                return  # the write a crash interrupted
-            if line.strip():
-                yield Trajectory.from_dict(orjson.loads(line))
+            try:
+                data = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a write a crash interrupted
+            yield Trajectory.from_dict(data)

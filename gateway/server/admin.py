@@ -75,6 +75,11 @@ def admin_routes(gw: Gateway) -> list[Route]:
         auth.require_admin(request)
         req = validate(CreateSessionRequest, await body(request))
         sampling = req.sampling.model_dump(exclude_none=True) if req.sampling else None
+        if req.id is not None:
+            try:
+                check_session_id(req.id)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="id") from None
         try:
             sid, key = gw.create_session(req.metadata, req.id, sampling)
         except ValueError as e:

@@ -221,16 +221,23 @@ class Gateway:
         await server.start()
         return server
 
-    async def shutdown(self, grace_s: float | None = None) -> None:
+    async def shutdown(
+        self,
+        grace_s: float | None = None,
+        then: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         """Stop admitting requests (503), let running ones finish for up to `grace_s`
         (default `shutdown_grace_s`), then close every open session as `aborted: shutdown`
-        (aborting what still runs; each is logged when `log_dir` is set)."""
+        (aborting what still runs; each is logged when `log_dir` is set) while `then` runs
+        (`gateway.serve` stops the HTTP server there, which ends responses stuck on clients
+        that stopped reading, so their turns are logged too)."""
         self._draining = True
         deadline = time.monotonic() + (self.cfg.shutdown_grace_s if grace_s is None else grace_s)
         while time.monotonic() < deadline and any(s.requests for s in self.sessions.all()):
             await asyncio.sleep(0.05)
         open_ids = [s.id for s in self.sessions.all() if not s.closed]
-        await asyncio.gather(*(self.close_session(i, "aborted", "shutdown") for i in open_ids))
+        closing = [self.close_session(i, "aborted", "shutdown") for i in open_ids]
+        await asyncio.gather(*closing, *([then()] if then else []))
 
     async def aclose(self) -> None:
         self._closing = True

@@ -71,7 +71,7 @@ class GatewayConfig:
             raise ValueError("idle_session_s must be >= 0 (0 keeps open-mode sessions open)")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
-        if self.max_tokens_limit is not None and self.max_tokens_limit < self.default_max_tokens:
-            raise ValueError("max_tokens_limit must be >= default_max_tokens")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1 (or None: the engine's context)")
         if min(self.body_timeout_s, self.header_timeout_s, self.shutdown_grace_s) < 0:
             raise ValueError("timeouts must be >= 0")

@@ -82,6 +82,7 @@ class Core:
         """Check, render and plan `req` for `session`; 4xx ApiError for anything wrong in it."""
         check_limits(req, self.limits, self.max_tokens_limit)
         prefill = tool_prefill(req)
+        self._check_size(req)
         if req.messages is not None:
             try:
                 prompt, call = await self._maybe_offload(
@@ -114,6 +115,26 @@ class Core:
             prefill,
         )
 
+    def _check_size(self, req: GenRequest) -> None:
+        """A 400 for input certainly over the context, before spending time tokenizing it."""
+        if isinstance(req.prompt, list):
+            size = len(req.prompt)
+        else:
+            texts = [req.prompt or ""]
+            for m in req.messages or ():
+                texts.append(m.get("content") or "")
+                texts += [c["function"]["arguments"] for c in m.get("tool_calls") or ()]
+            size = sum(map(len, texts)) // self.renderer.max_token_chars
+        if size > self.engine.max_context:
+            name = req.name("messages") if req.messages is not None else "prompt"
+            raise ApiError(
+                400,
+                f"{name}: the input is over {size} tokens; the context is "
+                f"{self.engine.max_context}",
+                param=name,
+                code="context_length_exceeded",
+            )
+
     async def _maybe_offload(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         if size < OFFLOAD_BYTES:
             return fn(*args)
@@ -144,7 +165,7 @@ class Core:
                 code="context_length_exceeded",
             )
         if req.max_tokens is None:
-            return min(self.default_max_tokens, room)
+            return min(self.default_max_tokens, self.max_tokens_limit or room, room)
         if req.max_tokens > room:
             name = req.name("max_tokens")
             raise ApiError(
@@ -263,16 +284,18 @@ class Core:
         if disconnected is None:
             return list(await work)
         watcher = asyncio.ensure_future(disconnected())
+        gone = False
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not work.done():
+                gone = True
                 job.mark_undelivered()
                 work.cancel()
                 with contextlib.suppress(BaseException):
                     await work
-        if work.cancelled():
+        if gone:
             raise ClientGone
         return list(work.result())
 
@@ -287,21 +310,21 @@ class Core:
         """Start every choice (errors before the first token are raised here, for an HTTP
         error), then return the SSE body; `on_close` runs when the body ends, however it ends."""
         gens = self.all_events(job)
+        starts = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
-            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+            firsts = await asyncio.gather(*starts)
         except BaseException:
-            for g in gens:
-                with contextlib.suppress(BaseException):
-                    await g.aclose()
+            await _shielded(_close(starts, gens))
             raise
 
         async def body() -> AsyncIterator[bytes]:
             complete = False
+            merged = _merge(gens, firsts)
             try:
                 for i, ev in enumerate(firsts):
                     for b in fmt(i, ev):
                         yield b
-                async for i, ev in _merge(gens, firsts):
+                async for i, ev in merged:
                     for b in fmt(i, ev):
                         yield b
                 for b in final():
@@ -313,12 +336,37 @@ class Core:
             finally:
                 if not complete:  # the client went away mid-stream
                     job.mark_undelivered()
-                for g in gens:
-                    with contextlib.suppress(BaseException):
-                        await g.aclose()
-                on_close()
+
+                async def cleanup() -> None:
+                    await merged.aclose()
+                    await _close([], gens)
+                    on_close()
+
+                await _shielded(cleanup())
 
         return body()
+
+
+async def _close(tasks: list[asyncio.Future], gens: list[AsyncIterator[Event]]) -> None:
+    """Cancel `tasks` and close `gens`, so every choice's turn is logged before this returns."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for g in gens:
+        with contextlib.suppress(Exception):
+            await g.aclose()  # type: ignore[attr-defined]
+
+
+async def _shielded(cleanup: Awaitable[None]) -> None:
+    """Run `cleanup` to the end even when the caller is being cancelled (Starlette cancels a
+    streaming response's task group when the client goes away, and AnyIO cancellation raises
+    again at every await, which would skip logging the turns)."""
+    task = asyncio.ensure_future(cleanup)
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        await asyncio.wait({task})
+        raise
 
 
 def _feed(event: Event, text: str, parser: ToolCallParser | None) -> None:
@@ -376,5 +424,4 @@ async def _merge(
             else:
                 yield i, item
     finally:
-        for t in tasks:
-            t.cancel()
+        await _shielded(_close(tasks, []))

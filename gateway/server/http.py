@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
+import uvicorn
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -113,6 +115,7 @@ class _GuardedHttp(HttpToolsProtocol):
         super().connection_made(transport)
         self._header_bytes = 0
         self._in_headers = True  # from the first byte of a request to the end of its headers
+        self._refused = False
         self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -120,6 +123,8 @@ class _GuardedHttp(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
@@ -136,7 +141,19 @@ class _GuardedHttp(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_headers = False
         self._deadline.cancel()
+        size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+        if size > self.max_header_bytes:
+            self._refuse(431, "Request Header Fields Too Large")
+            return
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
 
     def _too_slow(self) -> None:
         if self._in_headers and self._header_bytes:
@@ -145,6 +162,7 @@ class _GuardedHttp(HttpToolsProtocol):
             self.transport.close()  # connected and silent
 
     def _refuse(self, status: int, reason: str) -> None:
+        self._refused = True
         if self.transport.is_closing():
             return
         body = orjson.dumps(
@@ -156,6 +174,15 @@ class _GuardedHttp(HttpToolsProtocol):
             + body
         )
         self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: whoever runs the loop decides what a
+    signal does (`gateway.serve`: drain, then stop; a second signal: exit at once)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class HttpServer:
@@ -170,8 +197,6 @@ class HttpServer:
         header_timeout_s: float = 10.0,
         max_header_bytes: int = 64 * 1024,
     ) -> None:
-        import uvicorn
-
         self.sockets: list[socket.socket] = []
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then;
         # without it each keep-alive response waits for the client's delayed ACK (~40 ms)
@@ -195,7 +220,7 @@ class HttpServer:
             (_GuardedHttp,),
             {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
         )
-        self.server = uvicorn.Server(
+        self.server = _Server(
             uvicorn.Config(
                 app,
                 http=protocol,
