@@ -41,6 +41,9 @@ class Session:
     sampling: dict[str, Any] = field(default_factory=dict)
     """Sampling fields forced on every call (training: the rollout temperature the trainer
     scales its logits by), whatever a black-box agent asks for."""
+    max_tokens: int | None = None
+    """A cap on every call's output, applied when the agent asks for more or for nothing
+    (black-box agents that send no max_tokens)."""
     open_mode: bool = False
     """Opened by its key in auth=open: closing it frees the key for a fresh session."""
     _idle: asyncio.Event | None = None

@@ -46,6 +46,10 @@ class Turn:
     delivered: bool = True
     """False when the client went away before the whole reply reached it; such a turn is kept
     here but left out of the segments."""
+    max_tokens: int | None = None
+    """The output cap the engine was given (the session's cap, when it forces one)."""
+    asked_max_tokens: int | None = None
+    """The max_tokens the client asked for (None: it sent none)."""
 
 
 @dataclass

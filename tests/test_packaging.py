@@ -14,6 +14,7 @@ import ast
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -109,7 +110,11 @@ def test_fresh_venv_with_the_base_install_runs_the_main_job(tmp_path):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     pip("torch==2.13.0")  # the CPU wheel on a CPU machine, as the Makefile does; never bare torch
-    pip(str(ROOT))  # the base install: no extras, not editable
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ behind
+    shutil.copytree(
+        ROOT, src, ignore=shutil.ignore_patterns(".*", "runs", "build", "*.egg-info", "__pycache__")
+    )
+    pip(str(src))  # the base install: no extras, not editable
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["LOONGSAGE_HOME"] = str(tmp_path / "home")
     script = (

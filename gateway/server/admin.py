@@ -27,6 +27,8 @@ class SessionSampling(AdminModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
+    """A cap: applied when the agent asks for more, or for nothing."""
 
 
 class CreateSessionRequest(AdminModel):

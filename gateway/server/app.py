@@ -126,17 +126,22 @@ class Gateway:
     ) -> tuple[str, str]:
         """A new session -> (session id, its API key). ValueError for a bad or taken id.
 
-        `sampling` ({temperature, top_p, top_k}) is forced on every call of the session."""
+        `sampling` ({temperature, top_p, top_k}) is forced on every call of the session;
+        `sampling["max_tokens"]` caps every call's output (when the agent asks for more or for
+        nothing); each turn logs the cap used and what the agent asked for."""
         from gateway.server.admin import SessionSampling
 
         if session_id is not None:
             check_session_id(session_id)
+        sampling = dict(sampling or {})
         if sampling:
             try:
                 SessionSampling.model_validate(sampling)
             except ValueError as e:
                 raise ValueError(f"sampling: {e}") from None
+        cap = sampling.pop("max_tokens", None)
         session = self.sessions.create(metadata, session_id, sampling=sampling)
+        session.max_tokens = cap
         return session.id, session.api_key
 
     def attach_reward(

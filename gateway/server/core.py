@@ -104,7 +104,7 @@ class Core:
             ids = await self._maybe_offload(req.body_bytes, self._prompt_ids, req.prompt)
             call = _Call((), b"", "", ids)
         self.metrics.prompt_tokens.inc(len(ids))
-        max_tokens = self._max_tokens(req, len(ids))
+        max_tokens = self._max_tokens(req, len(ids), session.max_tokens)
         return Job(
             session,
             req,
@@ -154,7 +154,9 @@ class Core:
             raise ApiError(400, "prompt: empty", param="prompt")
         return ids
 
-    def _max_tokens(self, req: GenRequest, prompt_len: int) -> int:
+    def _max_tokens(self, req: GenRequest, prompt_len: int, cap: int | None) -> int:
+        """The request's max_tokens; the configured default when absent; the session's `cap`
+        when absent or larger (clipped to the room left in the context)."""
         context = self.engine.max_context
         room = context - prompt_len
         if room < 1:
@@ -164,6 +166,8 @@ class Core:
                 param=req.name("messages") if req.messages is not None else "prompt",
                 code="context_length_exceeded",
             )
+        if cap is not None and (req.max_tokens is None or req.max_tokens > cap):
+            return min(cap, room)
         if req.max_tokens is None:
             return min(self.default_max_tokens, self.max_tokens_limit or room, room)
         if req.max_tokens > room:
@@ -187,7 +191,7 @@ class Core:
         session.request_ids.add(rid)
         decoder = IncrementalDecoder(self.renderer)
         stops = StopTrimmer(job.req.stop)
-        parser = ToolCallParser(job.prefill) if job.parse_tools else None
+        parser = ToolCallParser(job.prefill, forced=bool(job.prefill)) if job.parse_tools else None
         gen = Generation()
         finished = False
         started = time.time()
@@ -215,7 +219,10 @@ class Core:
                     _add(event, kind, value)
             finished = True
             calls = parser.calls if parser is not None else []
-            event.finish = "tool_calls" if calls else gen.finish_reason
+            # a reply cut by max_tokens reports `length`, even when a call parsed before the cut
+            event.finish = (
+                "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
+            )
             event.stop_sequence = stops.matched
             event.output_tokens = len(gen.output_ids)
             reply: Message = {
@@ -250,11 +257,13 @@ class Core:
                     gen.output_ids,
                     gen.output_logprobs,
                     gen.output_versions,
-                    "tool_calls" if called else gen.finish_reason,
+                    "tool_calls" if called and gen.finish_reason == "stop" else gen.finish_reason,
                     job.req.endpoint,
                     started,
                     time.time() - started,
                     delivered=not job.client_gone,
+                    max_tokens=job.params[index].max_tokens,
+                    asked_max_tokens=job.req.max_tokens,
                 )
                 job.turns.append(turn)
                 session.add_turn(turn)

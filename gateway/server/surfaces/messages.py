@@ -87,7 +87,8 @@ class Messages(Surface):
 
     @staticmethod
     def tool_block(c: ToolCall) -> dict[str, Any]:
-        args = orjson.loads(c.arguments) if c.arguments else {}
+        # a failed forced call (not JSON) keeps the model's text, clearly marked
+        args = orjson.loads(c.arguments) if c.valid else {"invalid_json": c.arguments}
         return {
             "type": "tool_use",
             "id": c.id,
@@ -158,7 +159,8 @@ class _MessageStream:
             self.block += 1
             b = self.block
             block = {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": c.arguments}
+            block_input = self.surface.tool_block(c)["input"]
+            delta = {"type": "input_json_delta", "partial_json": orjson.dumps(block_input).decode()}
             out += [
                 event("content_block_start", index=b, content_block=block),
                 event("content_block_delta", index=b, delta=delta),
