@@ -10,6 +10,7 @@ The package, one concern per module:
 - `auth`: API keys, the admin token, which session a request belongs to;
 - `core`: the generation path shared by every surface: session -> render -> engine -> token log;
   `request`: the one internal request (`GenRequest`) it takes, and the limits applied to it;
+  `aio`: merging choice streams, and cleanup a cancellation cannot cut short;
 - `surfaces/`: one module per API surface (chat completions, completions, responses, Anthropic
   messages), each translating its wire format to one internal `GenRequest` and back;
 - `admin`: session, pause/resume and weight-version routes;

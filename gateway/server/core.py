@@ -34,6 +34,7 @@ from gateway.render import (
     ToolCallParser,
     _Call,
 )
+from gateway.server.aio import close_all, merge, shielded
 from gateway.server.request import (
     ClientGone,
     Event,
@@ -323,12 +324,12 @@ class Core:
         try:
             firsts = await asyncio.gather(*starts)
         except BaseException:
-            await _shielded(_close(starts, gens))
+            await shielded(close_all(starts, gens))
             raise
 
         async def body() -> AsyncIterator[bytes]:
             complete = False
-            merged = _merge(gens, firsts)
+            merged = merge(gens, firsts)
             try:
                 for i, ev in enumerate(firsts):
                     for b in fmt(i, ev):
@@ -348,34 +349,12 @@ class Core:
 
                 async def cleanup() -> None:
                     await merged.aclose()
-                    await _close([], gens)
+                    await close_all([], gens)
                     on_close()
 
-                await _shielded(cleanup())
+                await shielded(cleanup())
 
         return body()
-
-
-async def _close(tasks: list[asyncio.Future], gens: list[AsyncIterator[Event]]) -> None:
-    """Cancel `tasks` and close `gens`, so every choice's turn is logged before this returns."""
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for g in gens:
-        with contextlib.suppress(Exception):
-            await g.aclose()  # type: ignore[attr-defined]
-
-
-async def _shielded(cleanup: Awaitable[None]) -> None:
-    """Run `cleanup` to the end even when the caller is being cancelled (Starlette cancels a
-    streaming response's task group when the client goes away, and AnyIO cancellation raises
-    again at every await, which would skip logging the turns)."""
-    task = asyncio.ensure_future(cleanup)
-    try:
-        await asyncio.shield(task)
-    except BaseException:
-        await asyncio.wait({task})
-        raise
 
 
 def _feed(event: Event, text: str, parser: ToolCallParser | None) -> None:
@@ -398,39 +377,3 @@ def _add(event: Event, kind: str, value: Any) -> None:
 async def _quiet(aw: Awaitable[Any]) -> None:
     with contextlib.suppress(Exception):
         await aw
-
-
-async def _merge(
-    gens: list[AsyncIterator[Event]], firsts: list[Event]
-) -> AsyncIterator[tuple[int, Event]]:
-    """Events of several choices as they come, tagged with the choice index."""
-    live = [i for i, ev in enumerate(firsts) if ev.finish is None]
-    if len(live) == 1:
-        i = live[0]
-        async for ev in gens[i]:
-            yield i, ev
-        return
-    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for ev in gens[i]:
-                await queue.put((i, ev))
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            await queue.put((i, e))
-            return
-        await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i)) for i in live]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        await _shielded(_close(tasks, []))
