@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import uvicorn
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -61,6 +61,8 @@ async def read_json(
         raise ApiError(
             408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
         ) from None
+    except ClientDisconnect:  # nobody will read the answer; 499 only tells the metrics
+        raise ApiError(499, "the client went away while sending", code="client_gone") from None
     if size == 0 and empty is not None:
         return empty, 0
     raw = b"".join(chunks)
