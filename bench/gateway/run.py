@@ -21,7 +21,9 @@ Besides latency and req/s, each line reports the CPU time the measured server pr
 request (and so req/s per core): on a shared machine that is the number noise moves least.
 
 Run: `.venv/bin/python bench/gateway/run.py` (needs the `bench` extra: `pip install -e '.[bench]'`;
-`--skip-litellm` runs without it). `--gateway-launcher nodelay` serves the same gateway app from
+`--skip-litellm` runs without it). `--baseline DIR` also serves the gateway of another source
+tree (e.g. `git archive REV | tar -x -C DIR`) and prints the current one's req/s against it, side
+by side in the same run: how the cost of a change (such as request validation) is measured. `--gateway-launcher nodelay` serves the same gateway app from
 uvicorn's own socket (see `serve_nodelay.py`: TCP_NODELAY). Numbers depend on the machine and
 its load: every server and the client share its cores.
 """

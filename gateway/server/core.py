@@ -71,6 +71,7 @@ class Core:
         self.max_tokens_limit = max_tokens_limit
         self.retry_after_s = retry_after_s
         self._pool: ThreadPoolExecutor | None = None
+        self.max_token_chars = renderer.max_token_chars  # once, here, not in a request
 
     def close(self) -> None:
         if self._pool is not None:
@@ -125,7 +126,7 @@ class Core:
             for m in req.messages or ():
                 texts.append(m.get("content") or "")
                 texts += [c["function"]["arguments"] for c in m.get("tool_calls") or ()]
-            size = sum(map(len, texts)) // self.renderer.max_token_chars
+            size = sum(map(len, texts)) // self.max_token_chars
         if size > self.engine.max_context:
             name = req.name("messages") if req.messages is not None else "prompt"
             raise ApiError(
