@@ -321,9 +321,13 @@ class Core:
         """Start every choice (errors before the first token are raised here, for an HTTP
         error), then return the SSE body; `on_close` runs when the body ends, however it ends."""
         gens = self.all_events(job)
-        starts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        starts: list[asyncio.Future] = []
         try:
-            firsts = await asyncio.gather(*starts)
+            if len(gens) == 1:  # the common case, without a task
+                firsts = [await gens[0].__anext__()]
+            else:
+                starts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+                firsts = await asyncio.gather(*starts)
         except BaseException:
             await shielded(close_all(starts, gens))
             raise
@@ -345,15 +349,16 @@ class Core:
                 complete = True
                 yield error(e)
             finally:
-                if not complete:  # the client went away mid-stream
-                    job.mark_undelivered()
-
                 async def cleanup() -> None:
                     await merged.aclose()
                     await close_all([], gens)
                     on_close()
 
-                await shielded(cleanup())
+                if complete:
+                    await cleanup()
+                else:  # the client went away mid-stream: we may be being cancelled
+                    job.mark_undelivered()
+                    await shielded(cleanup())
 
         return body()
 
