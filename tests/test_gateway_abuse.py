@@ -439,7 +439,14 @@ async def test_non_streaming_request_is_aborted_when_its_client_leaves(gw):
 
 
 async def test_headers_are_limited_in_size_and_time(engine, renderer, tiny_model_path):
-    gw = make(engine, renderer, tiny_model_path, header_timeout_s=0.5, max_header_bytes=4096)
+    gw = make(
+        engine,
+        renderer,
+        tiny_model_path,
+        header_timeout_s=0.5,
+        body_timeout_s=0.5,
+        max_header_bytes=4096,
+    )
     server = await gw.start_http()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -459,6 +466,11 @@ async def test_headers_are_limited_in_size_and_time(engine, renderer, tiny_model
         answer = await asyncio.wait_for(reader.read(), 10)
         drip.cancel()
         assert answer.startswith(b"HTTP/1.1 408"), answer
+        # a body that never completes is cut off too
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 100\r\n\r\n{")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 408") and b"body" in answer, answer
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         assert await asyncio.wait_for(reader.read(), 10) == b""
         async with httpx.AsyncClient(base_url=server.base_url) as c:

@@ -67,11 +67,11 @@ def check_reward(reward: Any) -> float:
 
 
 def admin_routes(gw: Gateway) -> list[Route]:
-    limits, timeout = gw.cfg.limits, gw.cfg.body_timeout_s
+    limits = gw.cfg.limits
     auth = gw.auth
 
     async def body(request: Request) -> Any:
-        return (await read_json(request, limits, timeout, empty={}))[0]
+        return (await read_json(request, limits, empty={}))[0]
 
     async def create(request: Request) -> Response:
         auth.require_admin(request)

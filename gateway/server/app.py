@@ -220,8 +220,15 @@ class Gateway:
         self, host: str = "127.0.0.1", port: int = 0, uds: str | None = None
     ) -> HttpServer:
         """Serve the app over TCP (and a Unix socket when `uds` is set) in this event loop."""
+        cfg = self.cfg
         server = HttpServer(
-            self.app, host, port, uds, self.cfg.header_timeout_s, self.cfg.max_header_bytes
+            self.app,
+            host,
+            port,
+            uds,
+            cfg.header_timeout_s,
+            cfg.max_header_bytes,
+            cfg.body_timeout_s,
         )
         await server.start()
         return server
@@ -312,7 +319,7 @@ class Gateway:
 
     async def _serve(self, surface: Surface, request: Request) -> Response:
         cfg = self.cfg
-        body, size = await read_json(request, cfg.limits, cfg.body_timeout_s)
+        body, size = await read_json(request, cfg.limits)
         req = surface.parse(body)
         req.body_bytes = size
         self._check_model(req.model)

@@ -48,6 +48,9 @@ from gateway.server.validation import ApiError, RequestLimits
 from gateway.sessions import Session
 from gateway.trajectory import Turn
 
+WATCH_AFTER_S = 0.05
+"""A non-streaming request still running after this starts watching for its client leaving."""
+
 OFFLOAD_BYTES = 32 * 1024
 """Requests with a larger body are rendered and tokenized on a worker thread."""
 
@@ -294,12 +297,17 @@ class Core:
         work = asyncio.ensure_future(asyncio.gather(*(one(e) for e in self.all_events(job))))
         if disconnected is None:
             return list(await work)
-        watcher = asyncio.ensure_future(disconnected())
+        watcher: asyncio.Future | None = None
         gone = False
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            # a reply that is ready soon needs no watcher (a task per request, for nothing)
+            await asyncio.wait({work}, timeout=WATCH_AFTER_S)
+            if not work.done():
+                watcher = asyncio.ensure_future(disconnected())
+                await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if not work.done():
                 gone = True
                 job.mark_undelivered()
@@ -349,6 +357,7 @@ class Core:
                 complete = True
                 yield error(e)
             finally:
+
                 async def cleanup() -> None:
                     await merged.aclose()
                     await close_all([], gens)

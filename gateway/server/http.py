@@ -1,11 +1,11 @@
 """HTTP plumbing: JSON bodies within limits, error responses, and the uvicorn server.
 
 `read_json` reads a body chunk by chunk (413 as soon as it passes `max_body_bytes`, before any
-parsing; 408 when the client sends it slower than `body_timeout_s`), parses it (on a worker
-thread when large) and checks its nesting depth. `HttpServer` serves the app on TCP and a Unix
-socket with limits uvicorn does not set by itself: request headers must arrive within
-`header_timeout_s` and stay under `max_header_bytes` (431), so a slow or endless client cannot
-hold a connection open (nor a shutdown drain).
+parsing), parses it (on a worker thread when large) and checks its nesting depth. `HttpServer`
+serves the app on TCP and a Unix socket with limits uvicorn does not set by itself: the request
+head must arrive within `header_timeout_s` and stay under `max_header_bytes` (431), the body
+within `body_timeout_s` (408), so a slow or endless client cannot hold a connection open (nor a
+shutdown drain).
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ def error_response(e: ApiError, anthropic: bool = False) -> Response:
     return json_response(e.anthropic_body() if anthropic else e.openai_body(), e.status, e.headers)
 
 
-async def read_json(
-    request: Request, limits: RequestLimits, timeout_s: float, empty: Any = None
-) -> tuple[Any, int]:
+async def read_json(request: Request, limits: RequestLimits, empty: Any = None) -> tuple[Any, int]:
     """The parsed JSON body and its size; `empty` stands for an empty body when not None."""
     limit = limits.max_body_bytes
     too_large = ApiError(413, f"request body over {limit} bytes", code="body_too_large")
@@ -50,17 +48,12 @@ async def read_json(
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
     chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(
-            408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
-        ) from None
+    try:  # (a body that trickles in is cut off by the HTTP server: `body_timeout_s`)
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
     except ClientDisconnect:  # nobody will read the answer; 499 only tells the metrics
         raise ApiError(499, "the client went away while sending", code="client_gone") from None
     if size == 0 and empty is not None:
@@ -108,15 +101,20 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 
 
 class _GuardedHttp(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline and a size limit on request headers."""
+    """uvicorn's httptools protocol with deadlines on the request head and body and a size
+    limit on the head (one timer per request: at the head's deadline it re-arms itself for the
+    rest of the body's time when the head is done)."""
 
     header_timeout_s = 10.0
+    body_timeout_s = 60.0
     max_header_bytes = 64 * 1024
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_bytes = 0
         self._in_headers = True  # from the first byte of a request to the end of its headers
+        self._in_body = False  # from there to the end of its body
+        self._body_deadline = 0.0
         self._refused = False
         self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
 
@@ -141,8 +139,8 @@ class _GuardedHttp(HttpToolsProtocol):
             self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
 
     def on_headers_complete(self) -> None:
-        self._in_headers = False
-        self._deadline.cancel()
+        self._in_headers, self._in_body = False, True
+        self._body_deadline = self.loop.time() + self.body_timeout_s
         size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
         if size > self.max_header_bytes:
             self._refuse(431, "Request Header Fields Too Large")
@@ -154,22 +152,29 @@ class _GuardedHttp(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
+        self._deadline.cancel()
         if not self._refused:
             super().on_message_complete()
 
     def _too_slow(self) -> None:
-        if self._in_headers and self._header_bytes:
+        if self._in_body:
+            left = self._body_deadline - self.loop.time()
+            if left > 0:
+                self._deadline = self.loop.call_later(left, self._too_slow)
+            else:
+                self._refuse(408, "Request Timeout", "the request body did not arrive in time")
+        elif self._in_headers and self._header_bytes:
             self._refuse(408, "Request Timeout")
         elif self._in_headers and not self.transport.is_closing():
             self.transport.close()  # connected and silent
 
-    def _refuse(self, status: int, reason: str) -> None:
+    def _refuse(self, status: int, reason: str, message: str = "") -> None:
         self._refused = True
         if self.transport.is_closing():
             return
-        body = orjson.dumps(
-            ApiError(status, f"request headers: {reason.lower()}", code="bad_headers").openai_body()
-        )
+        message = message or f"request headers: {reason.lower()}"
+        body = orjson.dumps(ApiError(status, message, code="bad_request_head").openai_body())
         self.transport.write(
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
@@ -198,6 +203,7 @@ class HttpServer:
         uds: str | None,
         header_timeout_s: float = 10.0,
         max_header_bytes: int = 64 * 1024,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.sockets: list[socket.socket] = []
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then;
@@ -220,7 +226,11 @@ class HttpServer:
         protocol = type(
             "GatewayHttp",
             (_GuardedHttp,),
-            {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
+            {
+                "header_timeout_s": header_timeout_s,
+                "max_header_bytes": max_header_bytes,
+                "body_timeout_s": body_timeout_s,
+            },
         )
         self.server = _Server(
             uvicorn.Config(
