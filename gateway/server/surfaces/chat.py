@@ -9,7 +9,7 @@ from pydantic import Field
 
 from gateway.render import Message
 from gateway.server.request import Event, GenRequest, Job, ToolChoice
-from gateway.server.surfaces import Surface, sse, stops, text_of, usage
+from gateway.server.surfaces.base import Surface, sse, stops, text_of, usage
 from gateway.server.validation import ApiError, StrictModel, validate
 
 SEED = Field(None, ge=-(2**63), le=2**63 - 1)

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field
 
 from gateway.server.request import Event, GenRequest, Job
-from gateway.server.surfaces import Surface, sse, stops, usage
+from gateway.server.surfaces.base import Surface, sse, stops, usage
 from gateway.server.surfaces.chat import SEED, StreamOptions
 from gateway.server.validation import ApiError, StrictModel, validate
 

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from gateway.render import Message, ToolCall
 from gateway.server.request import Event, GenRequest, Job, ToolChoice
-from gateway.server.surfaces import Surface, named_sse, stops, text_of
+from gateway.server.surfaces.base import Surface, named_sse, stops, text_of
 from gateway.server.surfaces.chat import SEED
 from gateway.server.validation import ApiError, StrictModel, validate
 
