@@ -9,7 +9,8 @@
 'use strict';
 (() => {
   const TOKEN_KEY = 'loongsage.ui.token';
-  const CHUNK = 4000; // token spans built between two yields to the browser
+  const CHUNK = 1000; // token spans built between two looks at the clock
+  const SLICE_MS = 150; // build for this long, then let the browser paint and handle input
   const POLL_MS = 1000;
   const LONG_INPUT = 600; // prompt blocks longer than this (tokens) scroll in their own box
   const LP_EDGES = [-0.05, -0.25, -0.5, -1, -2, -4, -8]; // logprob colour buckets lp0..lp7
@@ -279,6 +280,8 @@
 
     async render(v) {
       const gen = ++this.gen;
+      const started = performance.now();
+      this.lastYield = started;
       this.view = v;
       this.root.dataset.ready = 'false';
       const head = this.header(v);
@@ -316,6 +319,7 @@
       set('tokens', count('.tk'));
       set('trained', count('.tk.tr'));
       set('vchanges', count('.vmark'));
+      this.root.dataset.renderMs = Math.round(performance.now() - started);
       this.root.dataset.ready = 'true';
     }
 
@@ -410,10 +414,11 @@
           span.textContent = text;
           span._i = i;
           frag.append(span);
-          if (++built % CHUNK === 0) {
+          if (++built % CHUNK === 0 && performance.now() - this.lastYield > SLICE_MS) {
             toks.append(frag);
             frag = document.createDocumentFragment();
             await yieldToBrowser();
+            this.lastYield = performance.now();
             if (gen !== this.gen) return;
           }
         }
