@@ -63,7 +63,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; the trainer scales its logits by the same value."""
     max_tokens: int = 256
-    """Maximum tokens per model call."""
+    """Maximum tokens per model call: the session's cap, applied to every agent kind (a
+    black-box agent asking for more, or for no limit, is cut here)."""
     max_turns: int = 4
     """Maximum model calls (turns) per episode."""
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -70,6 +72,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     model_path = resolve_model(cfg.model.name)
     async with contextlib.AsyncExitStack() as stack:
         engine, backend = await stack.enter_async_context(engine_and_backend(cfg, model_path))
+        _stop_on_sigterm(stack)
         gateway = Gateway(engine, model_path, GatewayConfig(model=cfg.model.name, auth="keys"))
         stack.push_async_callback(gateway.aclose)
         socket = await stack.enter_async_context(gateway_socket(gateway))
@@ -85,6 +88,17 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             run_dir=run_dir,
         )
         return await controller.run()
+
+
+def _stop_on_sigterm(stack: contextlib.AsyncExitStack) -> None:
+    """SIGTERM stops the run as Ctrl-C does: every task cancelled, everything started stopped
+    (sandboxes included), then exit. Set after Ray starts, whose own handler would exit from
+    wherever the loop happens to be and leave worker threads to finish their agents first."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, signal.raise_signal, signal.SIGINT)
+    stack.callback(loop.remove_signal_handler, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
