@@ -1,13 +1,17 @@
 """megatron-core on a machine without CUDA: what the tests and CPU runs need, and nothing else.
 
-megatron-core 0.16 is written for GPUs; its modules run on CPU under gloo once five assumptions
+megatron-core 0.16 is written for GPUs; its modules run on CPU under gloo once six assumptions
 are met. `install()` meets them and is called by the backend only when `torch.cuda.is_available()`
 is False; on a GPU machine nothing here is touched (`install` refuses to run there), so a GPU run
 never silently takes a CPU path.
 
 1. `torch.cuda.current_device()` returns `"cpu"`. Megatron allocates on that device in many places
    (RoPE frequencies, the global memory buffer behind tensor-parallel gathers, DDP's gradient
-   buffers, pipeline shape exchange); on a CPU-only torch the call raises.
+   buffers, pipeline shape exchange); on a CPU-only torch the call raises. Likewise
+   `Tensor.cuda()` returns the tensor itself (under pipeline parallelism the tied output layer
+   is moved to "cuda" for its first sync with the embedding), and `torch.cuda.synchronize()`
+   does nothing (the pipeline's point-to-point exchange calls it; there is no stream to wait
+   for).
 2. `megatron.core.pipeline_parallel.schedules` creates its token counter with `device="cuda"`;
    that one module is given a `torch` whose `zeros` puts such tensors on the CPU.
 3. The RNG tracker is the inference one (`model_parallel_cuda_manual_seed(...,
@@ -42,6 +46,8 @@ def install() -> None:
     if _installed:
         return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
 
     from megatron.core.pipeline_parallel import schedules
 

@@ -162,7 +162,10 @@ def transformer_config(arch: Arch, *, tp: int, pp: int, bf16: bool, cuda: bool) 
         variable_seq_lengths=True,  # micro-batches differ in shape (pipeline shape exchange)
         moe_token_dispatcher_type="alltoall",  # dense models; the default refuses the above
         use_cpu_initialization=not cuda,
-        perform_initialization=False,  # every weight is loaded from the HF folder
+        # Every weight is loaded from the HF folder, but initialization is also where Megatron
+        # marks its tensor-parallel parameters (`tensor_model_parallel`), which the gradient
+        # norm and the optimizer read: skipping it silently double-counts or drops shards.
+        perform_initialization=True,
         bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda,
         masked_softmax_fusion=False,
