@@ -17,7 +17,8 @@ to one node and its engines to another).
   is the TrainBackend over them.
 - **Engines.** `placed_engine` puts each engine actor in a bundle of its own
   (`ray.engine_cpus`, `ray.engine_gpus`, `ray.engine_resources`).
-- `node_of(handle)` asks an actor which Ray node it runs on (runs, not was planned on).
+- `node_of(handle)` asks an actor which Ray node it runs on (runs, not was planned on);
+  `describe` is the run's placement, printed by `trainer.run` at start.
 """
 
 from __future__ import annotations
@@ -75,6 +76,26 @@ def _rendezvous() -> tuple[str, int]:
 def node_of(handle: ray.actor.ActorHandle) -> str:
     """The Ray node id the actor runs on."""
     return ray.get(handle.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+
+
+def describe(engine: Any, backend: Any) -> str:
+    """Where each actor of a run is (asked of the actors themselves): one line per actor, with
+    its Ray node id and address. Engines and backends in this process are `(this process)`."""
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+
+    def where(handle: ray.actor.ActorHandle) -> str:
+        node = node_of(handle)
+        return f"node {node} ({address.get(node, '?')})"
+
+    lines = ["placement:"]
+    ranks = getattr(backend, "ranks", None)
+    for i, rank in enumerate(ranks or []):
+        lines.append(f"  trainer rank {i}: {where(rank)}")
+    if ranks is None:
+        lines.append("  trainer: (this process)")
+    handle = getattr(engine, "handle", None)
+    lines.append(f"  engine: {where(handle) if handle is not None else '(this process)'}")
+    return "\n".join(lines)
 
 
 def _get_all(refs: Sequence[ray.ObjectRef]) -> list[Any]:

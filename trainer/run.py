@@ -64,6 +64,7 @@ async def engine_and_backend(
             stack.push_async_callback(engine.close)
         if cfg.ray.enabled:
             backend = stack.enter_context(cluster.placed_trainer(cfg))
+            print(cluster.describe(engine, backend), flush=True)
         else:
             backend = make_backend(cfg)
         yield engine, backend
