@@ -3,10 +3,13 @@ backend, checkpoints. Multi-rank runs (Ray actors) are in tests/test_megatron_ra
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import gymnasium
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -18,11 +21,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from envs import Task, ToolEnv
 from trainer.backends import TrainSample, make_backend
 from trainer.backends.megatron.convert import params, shard, unshard
 from trainer.backends.megatron.model import Arch
 from trainer.backends.torch_backend import TorchBackend
-from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
+from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig, load
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # TE / Apex fallback notices
 
@@ -40,6 +44,8 @@ BATCH = [
     sample([1, 99, 500, 501, 502, 503, 504, 2], 2, +0.5),
     sample([1, 99, 600, 2], 2, -0.5),
     sample([1, 7, 8, 9, 10, 11, 12, 13, 14, 2], 4, -1.0),
+    # a second turn after `<|im_end|>` (id 2, also the pad id): its lookups train nothing
+    sample([1, 20, 21, 2, 22, 23, 24, 2], 3, +1.0),
 ]
 
 
@@ -313,3 +319,58 @@ def test_parallel_fields_need_a_parallel_backend():
         load(["recipe=tiny", "train.tensor_parallel=2"])
     cfg = load(["recipe=tiny", "train.kind=megatron", "train.tensor_parallel=2"])
     assert cfg.train.world_size == 2
+
+
+class EvenLengthEnv(ToolEnv):
+    """Rewards a final answer of even length in characters: the tiny random model, which
+    solves no real task, scores about half the time, so its GRPO groups carry a signal."""
+
+    answer_format = "Answer with any text."
+
+    def sample_task(self, rng) -> Task:
+        n = int(rng.integers(0, 1000))
+        return Task(f"Say something about {n}.", n)
+
+    def score(self, task: Task, final_answer: str) -> float:
+        return float(len(final_answer) % 2 == 0)
+
+
+EVEN = "loongsage-test/EvenLength-v0"
+if EVEN not in gymnasium.registry:
+    gymnasium.register(id=EVEN, entry_point="test_megatron:EvenLengthEnv")
+
+
+@pytest.mark.slow
+async def test_tiny_recipe_learns_the_same_with_megatron(tmp_path):
+    """recipes/tiny.yaml for 3 synchronous steps on an env with a signal: train.kind=megatron
+    and train.kind=torch see the same rollouts, take the same steps and end at the same model."""
+    from trainer.run import train
+
+    rows = {}
+    for kind in ("torch", "megatron"):
+        cfg = load(
+            [
+                "recipe=tiny",
+                f"train.kind={kind}",
+                f"rollout.env=test_megatron:{EVEN}",
+                "rollout.max_staleness=0",  # one rollout order, so the runs are comparable
+                "train.lr=1e-3",
+                "run.steps=3",
+                "ray.enabled=false",
+            ]
+        )
+        await train(cfg, run_dir=tmp_path / kind)
+        lines = (tmp_path / kind / "metrics.jsonl").read_text().splitlines()
+        rows[kind] = [json.loads(line) for line in lines]
+    theirs, ours = rows["torch"], rows["megatron"]
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [0, 1, 2, 3]
+    assert any(r.get("train/grad_norm", 0) > 1e-3 for r in theirs)  # there was a signal
+    for a, b in zip(theirs, ours, strict=True):
+        for key in a:
+            if key.startswith(("reward/", "response/", "eval/", "train/")):
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (a["step"], key)
+    want = load_file(tmp_path / "torch" / "final" / "model.safetensors")
+    got = load_file(tmp_path / "megatron" / "final" / "model.safetensors")
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, atol=1e-4), name

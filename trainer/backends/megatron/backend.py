@@ -277,6 +277,8 @@ class MegatronBackend:
         assert not missing, f"parameters the converter does not fill: {sorted(missing)}"
         if self.last_stage:
             model.output_layer.register_forward_pre_hook(self._select_positions)
+        if self.first_stage and self.arch.padding_idx is not None:
+            model.embedding.word_embeddings.register_forward_hook(self._no_padding_grad)
         return model
 
     def _stage_params(self, model: torch.nn.Module) -> list[Param]:
@@ -336,6 +338,13 @@ class MegatronBackend:
         hidden, *rest = args
         picked = hidden[:-1].transpose(0, 1)[self._select]
         return (picked.unsqueeze(1), *rest)
+
+    def _no_padding_grad(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        """Embedding forward hook: HF's padding_idx rule, no gradient to the pad token's row
+        from lookups (model.py)."""
+        if out.requires_grad:
+            keep = (args[0] != self.arch.padding_idx).unsqueeze(-1).to(out.dtype)
+            out.register_hook(lambda grad: grad * keep)
 
     def _micro_batches(
         self, idx: list[int], samples: list[TrainSample], *, only_loss: bool = True

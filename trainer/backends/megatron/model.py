@@ -12,6 +12,8 @@ Decisions:
 - The vocabulary is padded only to a multiple of the tensor-parallel size (Megatron's shards
   must be equal); the padded rows are zero and their logits are masked out (`logprobs.py`), so
   log-probs are over the HF vocabulary exactly.
+- The embedding keeps HF's `padding_idx` rule (no gradient to the pad token's row from its
+  lookups), so both backends train the same model: in SmolLM2 the pad token is `<|im_end|>`.
 - Dropout is off (the families trained here have none) and `calculate_per_token_loss` is off:
   the backend scales its micro-batch losses itself (see backend.py).
 """
@@ -47,6 +49,10 @@ class Arch:
     qk_norm: bool
     rope_llama3_factor: float | None = None
     """Llama 3.x RoPE scaling factor (Megatron's `rope_scaling`), None when unscaled."""
+    padding_idx: int | None = None
+    """HF's `nn.Embedding(..., padding_idx=pad_token_id)`: no gradient reaches that embedding
+    row through lookups (the backend does the same; with tied weights the output layer still
+    trains it)."""
 
     @classmethod
     def from_hf(cls, config: Any) -> Arch:
@@ -99,6 +105,7 @@ class Arch:
             qkv_bias=qkv_bias,
             qk_norm=family == "qwen3",
             rope_llama3_factor=llama3,
+            padding_idx=getattr(config, "pad_token_id", None),
         )
 
     def padded_vocab(self, tp: int) -> int:
