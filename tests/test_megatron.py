@@ -26,7 +26,7 @@ from trainer.backends import TrainSample, make_backend
 from trainer.backends.megatron.convert import params, shard, unshard
 from trainer.backends.megatron.model import Arch
 from trainer.backends.torch_backend import TorchBackend
-from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig, load
+from trainer.config import RECIPE_DIR, AlgorithmConfig, TrainBackendConfig, TrainerConfig, load
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # TE / Apex fallback notices
 
@@ -100,17 +100,31 @@ def qwen3_path(tmp_path_factory, tiny_model_path):
 
 
 def megatron(path, algorithm=None, **train):
+    """One rank in this process: on the GPU where there is one (fp32 unless told), else CPU."""
     from trainer.backends.megatron.backend import MegatronBackend
 
     train.setdefault("lr", 1e-3)
     return MegatronBackend(
         path,
-        TrainBackendConfig(kind="megatron", device="cpu", **train),
+        TrainBackendConfig(kind="megatron", **train),
         algorithm or AlgorithmConfig(),
         temperature=TEMPERATURE,
         total_steps=10,
         seed=0,
     )
+
+
+def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
+    """[B * (T-1), V] logits of every position but the last (all of them projected)."""
+    from trainer.backends.megatron import compat
+
+    device = backend.device or "cpu"
+    ids = ids.to(device)
+    backend._select = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=device)
+    mask = None if backend.cuda else compat.causal_mask(ids.shape[1])
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    with torch.no_grad():
+        return backend.model(ids, positions, mask)[0].float().cpu()
 
 
 def hf_logprobs(model, s: TrainSample) -> torch.Tensor:
@@ -183,15 +197,12 @@ def test_fused_qkv_and_fc1_layouts_are_megatrons():
 
 @pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3"])
 def test_logits_and_logprobs_match_hf(family, request):
-    from trainer.backends.megatron import compat
-
     path = request.getfixturevalue("tiny_model_path" if family == "tiny" else f"{family}_path")
     backend = megatron(path, micro_batch_tokens=16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.randint(0, 49152, (2, 11), generator=torch.Generator().manual_seed(0))
+    got = full_logits(backend, ids)
     with torch.no_grad():
-        backend._select = torch.ones(2, 10, dtype=torch.bool)  # project every position
-        got = backend.model(ids, torch.arange(11).expand_as(ids), compat.causal_mask(11))[0]
         want = model(ids).logits[:, :-1].reshape(-1, 49152)
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     for s, lp in zip(BATCH, backend.logprobs(BATCH), strict=True):
@@ -203,16 +214,13 @@ def test_smollm2_logits_match_hf(smollm2_path):
     """Log-probs within 1e-5. Logits (up to ~30 in size, through 30 layers) are held to fp32's
     own noise: HF's fp32 logits are themselves ~2e-4 from fp64's (and HF's two attention
     kernels ~1e-4 apart), so Megatron's error against fp64 may be at most twice HF's."""
-    from trainer.backends.megatron import compat
-
     backend = megatron(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     for s, lp in zip(BATCH, backend.logprobs(BATCH), strict=True):
         assert torch.allclose(torch.tensor(lp), hf_logprobs(model, s), atol=1e-5)
     ids = torch.tensor([BATCH[4].token_ids])
+    got = full_logits(backend, ids)
     with torch.no_grad():
-        backend._select = torch.ones(1, ids.shape[1] - 1, dtype=torch.bool)
-        got = backend.model(ids, torch.arange(ids.shape[1])[None], compat.causal_mask(10))[0]
         hf32 = model(ids).logits[0, :-1]
         model.to(torch.float64)
         hf64 = model(ids).logits[0, :-1]
@@ -241,7 +249,7 @@ def _grads_by_hf_name(backend) -> dict[str, torch.Tensor]:
     own = dict(backend.model.module.named_parameters())
     out = {}
     for param in backend.stage_params:
-        grad = own[param.megatron].main_grad
+        grad = own[param.megatron].main_grad.cpu()
         for name, g in zip(param.hf, unshard(backend.arch, param, [grad]), strict=True):
             out[name] = g
     return out
@@ -298,6 +306,7 @@ def test_checkpoint_resumes_the_same_run(tiny_model_path, tmp_path):
         fresh.load_checkpoint(tmp_path / "nowhere")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusals")
 def test_megatron_says_what_it_needs(tiny_model_path):
     cfg = TrainerConfig()
     cfg.model.name = str(tiny_model_path)
@@ -309,6 +318,40 @@ def test_megatron_says_what_it_needs(tiny_model_path):
     cfg.train.tensor_parallel = 2
     with pytest.raises(ValueError, match="2 ranks, but 1 started; .* ray.enabled=true"):
         make_backend(cfg)
+    cfg.train.tensor_parallel = 1
+    cfg.train.device = "cuda"
+    with pytest.raises(ValueError, match="train.device=cuda but no CUDA GPU"):
+        make_backend(cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_learns_and_resumes(tiny_model_path, tmp_path):
+    """bf16 weights, fp32 master weights in Megatron's distributed optimizer, NCCL."""
+    backend = megatron(tiny_model_path, dtype="bf16", lr=1e-2)
+    assert next(backend.model.parameters()).dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for s, lp in zip(BATCH, backend.logprobs(BATCH), strict=True):
+        assert (torch.tensor(lp) - hf_logprobs(model, s)).abs().mean() < 0.05
+    target = [BATCH[0]]
+    before = sum(backend.logprobs(target)[0])
+    for _ in range(3):
+        metrics = backend.train_step(target)
+        assert metrics["train/grad_norm"] > 0
+    assert sum(backend.logprobs(target)[0]) > before  # a positive advantage raised them
+    backend.save_checkpoint(tmp_path / "ckpt", {"n": 1})
+    after = backend.train_step(BATCH)
+    fresh = megatron(tiny_model_path, dtype="bf16", lr=1e-2)
+    assert fresh.load_checkpoint(tmp_path / "ckpt") == {"n": 1}
+    assert fresh.train_step(BATCH) == pytest.approx(after, rel=1e-3)
+    backend.save_hf(tmp_path / "hf")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.model_type == "llama"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (RECIPE_DIR / "gpu").glob("*.yaml")))
+def test_gpu_recipes_load(recipe):
+    cfg = load([f"recipe=gpu/{recipe}"])
+    assert cfg.train.kind == "megatron" and cfg.engine.kind == "sglang"
+    assert cfg.train.world_size * cfg.ray.trainer_gpus == 8  # the GPUs each recipe says it uses
 
 
 def test_parallel_fields_need_a_parallel_backend():
