@@ -233,6 +233,13 @@ def test_hf_to_megatron_to_hf_is_bit_exact(family, request, tmp_path):
     path = request.getfixturevalue("tiny_model_path" if family == "tiny" else f"{family}_path")
     backend = megatron(path)
     want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    specs = {name: (shape, dtype) for name, shape, dtype in backend.hf_specs()}
+    tied = {"lm_head.weight"} if backend.arch.tie_word_embeddings else set()
+    assert set(specs) == set(want) - tied  # tied weights once, as the HF folder keeps them
+    for name, (shape, dtype) in specs.items():
+        assert want[name].shape == shape and dtype == torch.float32
+    some = [name for name in specs if ".1." in name or "norm" in name]  # a subset, streamed
+    assert [name for name, _ in backend.hf_tensors(some)] == some
     got = backend.state_dict()
     assert set(got) == set(want)
     for name, tensor in want.items():
@@ -248,7 +255,7 @@ def _grads_by_hf_name(backend) -> dict[str, torch.Tensor]:
     """The megatron backend's reduced gradients, converted to HF names like its weights."""
     own = dict(backend.model.module.named_parameters())
     out = {}
-    for param in backend.stage_params:
+    for param in backend._exported():
         grad = own[param.megatron].main_grad.cpu()
         for name, g in zip(param.hf, unshard(backend.arch, param, [grad]), strict=True):
             out[name] = g

@@ -39,7 +39,7 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -61,7 +61,15 @@ from trainer.backends.base import (
     set_rng_state,
 )
 from trainer.backends.megatron import compat
-from trainer.backends.megatron.convert import Param, megatron_name, params, shard, unshard
+from trainer.backends.megatron.convert import (
+    Param,
+    hf_shapes,
+    megatron_name,
+    params,
+    shard,
+    stage_of,
+    unshard,
+)
 from trainer.backends.megatron.logprobs import vocab_parallel_logprobs
 from trainer.backends.megatron.model import (
     Arch,
@@ -222,7 +230,6 @@ class MegatronBackend:
 
         reader = _HFReader(self.model_path)
         model = self._build(reader)
-        self.stage_params = self._stage_params(model)
         self.model = self._wrap_ddp(model)
         self.ref_model = None
         if algorithm.kl_coef > 0:
@@ -280,17 +287,6 @@ class MegatronBackend:
         if self.first_stage and self.arch.padding_idx is not None:
             model.embedding.word_embeddings.register_forward_hook(self._no_padding_grad)
         return model
-
-    def _stage_params(self, model: torch.nn.Module) -> list[Param]:
-        """The Params this stage exports (a tied output layer is the embedding's copy)."""
-        own = dict(model.named_parameters())
-        out = []
-        for param in params(self.arch, self.te):
-            if param.megatron == "output_layer.weight" and self.arch.tie_word_embeddings:
-                continue
-            if megatron_name(param, self.layer_offset) in own:
-                out.append(param)
-        return out
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -569,46 +565,86 @@ class MegatronBackend:
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This pipeline stage's weights as (HF name, full tensor), TP shards all-gathered.
+    def _exported(self) -> list[Param]:
+        """The Params the HF folder is made of, in order (a tied output layer is the
+        embedding's copy, not a tensor of its own)."""
+        tied = self.arch.tie_word_embeddings
+        return [
+            p
+            for p in params(self.arch, self.te)
+            if not (tied and p.megatron == "output_layer.weight")
+        ]
 
-        A collective over the stage's tensor-parallel group: its ranks iterate together, and
-        each gets every tensor. The unit a streaming weight push buckets."""
-        from megatron.core import parallel_state
+    def hf_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, shape, dtype) of every tensor of the model's HF folder, in the order
+        `hf_tensors` yields them; from the config, no communication. Tied weights appear once,
+        as `model.embed_tokens.weight`, as in the folder."""
+        shapes = hf_shapes(self.arch)
+        dtype = self.config.params_dtype
+        return [(name, shapes[name], dtype) for p in self._exported() for name in p.hf]
 
-        group = parallel_state.get_tensor_model_parallel_group()
-        own = dict(self.model.module.named_parameters())
-        for param in self.stage_params:
-            local = own[megatron_name(param, self.layer_offset)].detach()
-            if self.tp > 1 and param.split != "replicated":
-                shards = [torch.empty_like(local) for _ in range(self.tp)]
-                dist.all_gather(shards, local.contiguous(), group=group)
-            else:
-                shards = [local]
-            yield from zip(param.hf, unshard(self.arch, param, shards), strict=True)
+    def hf_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (all of them, or `names`), yielded on global rank 0.
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every HF-named weight on global rank 0 (CPU tensors); {} on the other ranks."""
+        Collective: every rank calls it with the same names, and iterates it to the end. For
+        each parameter, the tensor-parallel ranks of the pipeline stage that holds it all-gather
+        its shards and convert them; under pipeline parallelism that stage's first rank then
+        sends the HF tensors to global rank 0. Data-parallel replicas other than the first take
+        no part. Other ranks yield nothing. A yielded tensor is valid until the next is asked
+        for; one parameter (three tensors for a fused q/k/v) is gathered at a time, which is
+        the unit a streaming weight push buckets."""
         from megatron.core import parallel_state
 
         if self.dp_rank != 0:
-            return {}
-        mine = {name: t.cpu() for name, t in self.hf_tensors()}
-        if self.pp > 1:
-            # Each stage's first TP rank sends its part to stage 0's over the pipeline group.
-            group = parallel_state.get_pipeline_model_parallel_group()
-            parts: list[Any] = [None] * self.pp if self.pp_rank == 0 else None
-            if self.tp_rank == 0:
-                dst = dist.get_global_rank(group, 0)
-                dist.gather_object(mine, parts, dst=dst, group=group)
-            if self.pp_rank != 0 or self.tp_rank != 0:
-                return {}
-            mine = {k: v for part in parts for k, v in part.items()}
-        elif self.tp_rank != 0:
-            return {}
-        if self.arch.tie_word_embeddings:
-            mine["lm_head.weight"] = mine["model.embed_tokens.weight"]
-        return mine
+            return
+        wanted = None if names is None else set(names)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        own = dict(self.model.module.named_parameters())
+        shapes = hf_shapes(self.arch)
+        for param in self._exported():
+            if wanted is not None and wanted.isdisjoint(param.hf):
+                continue
+            stage = stage_of(param, self.arch, self.pp)
+            tensors: list[torch.Tensor] = []
+            if stage == self.pp_rank:
+                local = own[megatron_name(param, self.layer_offset)].detach()
+                if self.tp > 1 and param.split != "replicated":
+                    shards = [torch.empty_like(local) for _ in range(self.tp)]
+                    dist.all_gather(shards, local.contiguous(), group=tp_group)
+                else:
+                    shards = [local]
+                tensors = unshard(self.arch, param, shards)
+            if self.tp_rank != 0:
+                continue
+            if stage != 0:  # the owner's first TP rank sends to global rank 0 (stage 0's)
+                if self.pp_rank == stage:
+                    for t in tensors:
+                        dist.send(t.contiguous(), dist.get_global_rank(pp_group, 0), pp_group)
+                elif self.pp_rank == 0:
+                    tensors = []
+                    for name in param.hf:
+                        buf = torch.empty(
+                            shapes[name], dtype=self.config.params_dtype, device=self.device
+                        )
+                        dist.recv(buf, dist.get_global_rank(pp_group, stage), pp_group)
+                        tensors.append(buf)
+            if self.pp_rank == 0:
+                for name, t in zip(param.hf, tensors, strict=True):
+                    if wanted is None or name in wanted:
+                        yield name, t
+
+    def weight_source(self) -> MegatronBackend:
+        """The HF-name view TransferMesh reads (`hf_specs`, `hf_tensors`): the backend itself."""
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every HF-named weight on global rank 0 (CPU tensors; tied weights under both HF
+        names, as an HF model's state dict has them); {} on the other ranks."""
+        out = {name: t.cpu() for name, t in self.hf_tensors()}
+        if out and self.arch.tie_word_embeddings:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
 
     def _rank_file(self, path: Path) -> Path:
         return Path(path) / CHECKPOINT_DIR / f"rank{dist.get_rank():05d}.pt"

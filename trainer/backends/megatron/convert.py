@@ -96,6 +96,41 @@ def params(arch: Arch, te: bool) -> list[Param]:
     return out
 
 
+def hf_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor the model has, from its config alone."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_heads * d, arch.num_query_groups * d
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}."
+        shapes |= {
+            m + "input_layernorm.weight": (h,),
+            m + "post_attention_layernorm.weight": (h,),
+            a + "q_proj.weight": (q, h),
+            a + "k_proj.weight": (kv, h),
+            a + "v_proj.weight": (kv, h),
+            a + "o_proj.weight": (h, q),
+            m + "mlp.gate_proj.weight": (f, h),
+            m + "mlp.up_proj.weight": (f, h),
+            m + "mlp.down_proj.weight": (h, f),
+        }
+        if arch.qkv_bias:
+            shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+        if arch.qk_norm:
+            shapes |= {a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}
+    return shapes
+
+
+def stage_of(param: Param, arch: Arch, pp: int) -> int:
+    """The pipeline stage that holds `param` (the embedding's on the first, the final norm and
+    output layer on the last)."""
+    if param.layer is not None:
+        return param.layer // (arch.num_layers // pp)
+    return 0 if param.megatron.startswith("embedding.") else pp - 1
+
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
