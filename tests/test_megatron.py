@@ -128,10 +128,11 @@ def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logprobs(model, s: TrainSample) -> torch.Tensor:
+    """The log-probs an HF model gives the sample, in the model's dtype."""
     with torch.no_grad():
-        logits = model(torch.tensor([s.token_ids])).logits[0, :-1].float() / TEMPERATURE
+        logits = model(torch.tensor([s.token_ids])).logits[0, :-1] / TEMPERATURE
     lp = logits.log_softmax(-1).gather(-1, torch.tensor(s.token_ids[1:])[:, None])[:, 0]
-    return torch.cat([torch.zeros(1), lp])
+    return torch.cat([torch.zeros(1, dtype=lp.dtype), lp])
 
 
 # -- conversion (no megatron-core needed) ---------------------------------------------------------
@@ -206,26 +207,33 @@ def test_logits_and_logprobs_match_hf(family, request):
         want = model(ids).logits[:, :-1].reshape(-1, 49152)
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     for s, lp in zip(BATCH, backend.logprobs(BATCH), strict=True):
-        assert torch.allclose(torch.tensor(lp), hf_logprobs(model, s), atol=1e-5)
+        assert torch.allclose(torch.tensor(lp), hf_logprobs(model, s), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
 def test_smollm2_logits_match_hf(smollm2_path):
-    """Log-probs within 1e-5. Logits (up to ~30 in size, through 30 layers) are held to fp32's
-    own noise: HF's fp32 logits are themselves ~2e-4 from fp64's (and HF's two attention
-    kernels ~1e-4 apart), so Megatron's error against fp64 may be at most twice HF's."""
+    """Through 30 layers, fp32 has noise of its own: HF's fp32 logits are ~2e-4 from fp64's
+    (HF's two attention kernels ~1e-4 apart). Megatron's logits and log-probs are held to that
+    floor: their error against HF in fp64 at most twice HF fp32's, and within 1e-4 of HF fp32
+    (measured: logits 1.2e-4 apart at |logit| <= 30, log-probs 3.2e-5)."""
     backend = megatron(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
-    for s, lp in zip(BATCH, backend.logprobs(BATCH), strict=True):
-        assert torch.allclose(torch.tensor(lp), hf_logprobs(model, s), atol=1e-5)
     ids = torch.tensor([BATCH[4].token_ids])
+    ours_lp = [torch.tensor(lp) for lp in backend.logprobs(BATCH)]
     got = full_logits(backend, ids)
     with torch.no_grad():
         hf32 = model(ids).logits[0, :-1]
+        hf32_lp = [hf_logprobs(model, s) for s in BATCH]
         model.to(torch.float64)
         hf64 = model(ids).logits[0, :-1]
-    ours, theirs = (got - hf64).abs().max().item(), (hf32 - hf64).abs().max().item()
-    assert ours <= 2 * theirs, (ours, theirs)
+        hf64_lp = [hf_logprobs(model, s) for s in BATCH]
+
+    def worst(a, b):
+        return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+    assert worst([got], [hf64]) <= 2 * worst([hf32], [hf64])
+    assert worst(ours_lp, hf64_lp) <= 2 * worst(hf32_lp, hf64_lp)
+    assert worst([got], [hf32]) < 2e-4 and worst(ours_lp, hf32_lp) < 1e-4
 
 
 @pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3"])
