@@ -176,7 +176,12 @@ class MegatronBackend:
         total_steps: int = 0,
         seed: int = 0,
     ) -> None:
-        from megatron.core import parallel_state
+        try:
+            from megatron.core import parallel_state
+        except ImportError:
+            raise ValueError(
+                "train.kind=megatron needs megatron-core: pip install -e '.[megatron]'"
+            ) from None
 
         self.cfg = train
         self.algorithm = algorithm
@@ -473,7 +478,10 @@ class MegatronBackend:
             self._step, self.cfg.warmup_steps, self.total_steps, self.cfg.lr_schedule
         )
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            # Megatron's groups carry multipliers (no weight decay on biases and norms) that
+            # its own LR scheduler applies; the CPU optimizer's one group has none.
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
         k = min(self.algorithm.num_minibatches, len(samples))
         minibatches = [list(range(len(samples)))[j::k] for j in range(k)]
         shares = [self._my_share(mini, samples) for mini in minibatches]
