@@ -155,9 +155,13 @@ def css_all(drv, selector: str) -> list[Any]:
 
 
 def wait(drv, condition, timeout: float = 60, what: str = "") -> Any:
+    """Until `condition(drv)` is truthy; an element the page replaced meanwhile (a live session
+    re-renders) is looked up again."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(drv, timeout, poll_frequency=0.1).until(condition, what)
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    return WebDriverWait(drv, timeout, 0.1, ignored).until(condition, what)
 
 
 def wait_css(drv, selector: str, timeout: float = 60) -> Any:
