@@ -22,6 +22,7 @@ from gateway.engines import EngineConfig
 from sandbox import SandboxConfig
 from trainer.agents import AGENTS
 from trainer.backends import TRAIN_BACKENDS
+from trainer.transfer import TransferConfig
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -233,14 +234,14 @@ class LoggingConfig:
 @dataclass
 class RayConfig:
     enabled: bool = True
-    """Run the local engine and the train backend as Ray actors (separate processes; weights
-    travel through Ray's object store). False keeps everything in this process."""
+    """Run the local engines and the train backend as Ray actors (separate processes; weights
+    travel over TransferMesh's routes). False keeps everything in this process."""
     address: str | None = None
     """Ray cluster address; None starts a local Ray (dashboard off)."""
     num_cpus: int = 2
     """CPUs of a local Ray."""
     engine_cpus: float = 1.0
-    """CPUs reserved for the engine actor (it runs that many torch threads)."""
+    """CPUs reserved for each engine actor (it runs that many torch threads)."""
     trainer_cpus: float = 1.0
     """CPUs reserved for the train-backend actor (it runs that many torch threads)."""
 
@@ -266,7 +267,9 @@ class TrainerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where metrics go besides metrics.jsonl."""
     ray: RayConfig = field(default_factory=RayConfig)
-    """Where the engine and the train backend run."""
+    """Where the engines and the train backend run."""
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """How each step's weights reach the engines (TransferMesh)."""
 
 
 def load(argv: list[str]) -> TrainerConfig:
