@@ -161,7 +161,9 @@ async def test_mesh_serves_the_backends_weights(ray_local, backend, tiny_model_p
         torch.tensor(after.output_logprobs[:1]), torch.tensor(before.output_logprobs[:1])
     )
     assert after.output_versions == [version] * len(after.output_ids)
-    again = await TransferMesh(backend, [receiver], mode="abort_resubmit").push(version + 1)
+    retracting = TransferMesh(backend, [receiver], mode="abort_resubmit")
+    again = await retracting.push(version + 1)
+    await retracting.close()
     assert again.delivered == 1 and receiver.weight_version == version + 1
 
     # A push while a request streams: its later tokens carry the new version (partial rollout).

@@ -286,30 +286,51 @@ class TransferMesh:
         start = time.perf_counter()
         push = Push(self.sender, version, await self._layout(), self.mode, self.cfg)
         report = PushReport(version, push.nbytes, 0.0)
+        # A receiver that failed last time gets this version if it is healthy again; one that
+        # is still down is skipped, so it cannot hold up (or break) a group it would join.
+        down = {r.name for r in self.receivers if r.error and not await _healthy(r)}
         for name, receivers in self.plan.by_route().items():
             t0 = time.perf_counter()
-            outcome = await self.routes[name].push(push, receivers)
-            retry = [r for r in receivers if not outcome[r.name].ok and await _healthy(r)]
-            if retry:  # e.g. a broadcast group broken by another receiver's death
-                log.warning("retrying %s over %s", ", ".join(r.name for r in retry), name)
-                outcome |= await self.routes[name].push(push, retry)
-            ok = [r for r in receivers if outcome[r.name].ok]
-            report.routes.append(
-                RouteStats(name, len(receivers), len(ok), push.nbytes, time.perf_counter() - t0)
-            )
+            outcome = await self._push_route(name, push, receivers, down)
+            seconds = time.perf_counter() - t0
+            delivered = sum(d.ok for d in outcome.values())
+            report.routes.append(RouteStats(name, len(receivers), delivered, push.nbytes, seconds))
             for r in receivers:
                 d = outcome[r.name]
                 if d.ok:
                     r.version, r.error = version, ""
                     report.stalls[r.name] = d.stall_s
                 else:
-                    r.error = d.error
-                    report.failed[r.name] = d.error
-                    log.warning(
-                        "%s keeps weight version %d: %s over %s", r.name, r.version, d.error, name
-                    )
+                    r.error = report.failed[r.name] = d.error
+                    log.warning("%s keeps weight version %d: %s", r.name, r.version, d.error)
         report.seconds = time.perf_counter() - start
         return report
+
+    async def _push_route(
+        self, route: str, push: Push, receivers: list[Receiver], down: set[str]
+    ) -> dict[str, Delivery]:
+        """One route's receivers, those that are up, with one more try for those that failed
+        and are healthy (e.g. a broadcast group broken by another receiver's death)."""
+        out = {r.name: Delivery(False, error="down: its health check fails") for r in receivers}
+        up = [r for r in receivers if r.name not in down]
+        if up:
+            out |= await self._deliver(route, push, up)
+        retry = [r for r in up if not out[r.name].ok and await _healthy(r)]
+        if retry:
+            log.warning("retrying %s over %s", ", ".join(r.name for r in retry), route)
+            out |= await self._deliver(route, push, retry)
+        return out
+
+    async def _deliver(
+        self, route: str, push: Push, receivers: list[Receiver]
+    ) -> dict[str, Delivery]:
+        """The route's outcome per receiver; a route that fails as a whole (its sender died)
+        fails each of them."""
+        try:
+            return await self.routes[route].push(push, receivers)
+        except Exception as exc:  # noqa: BLE001 - reported per receiver, never raised
+            failed = Delivery(False, error=f"{route} failed: {type(exc).__name__}: {exc}")
+            return {r.name: failed for r in receivers}
 
     async def close(self) -> None:
         await asyncio.gather(*(route.close() for route in self.routes.values()))

@@ -23,6 +23,7 @@ import mmap
 import os
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,8 @@ class ShmRoute:
         self.cfg = cfg
         self.path = os.path.join(SHM_DIR, f"loongsage-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._sender = None
+        # The segment goes with the route even if nobody closes it (a crashed run leaves it).
+        self._unlink = weakref.finalize(self, _unlink, self.path)
 
     def reaches(self, sender: Placement, receiver: Placement) -> str:
         if (
@@ -166,7 +169,11 @@ class ShmRoute:
     async def close(self) -> None:
         if self._sender is not None:
             await self._sender.run(forget, self.path)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
