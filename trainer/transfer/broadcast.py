@@ -40,6 +40,8 @@ class Group:
     name: str
     backend: str
     """gloo or nccl."""
+    device: str
+    """Where the sender's buckets are: cuda (a GPU trainer) or cpu."""
     host: str
     port: int
     world_size: int
@@ -106,7 +108,7 @@ def address(source) -> tuple[str, int]:
 def send(source, group: Group, buckets: list[Bucket], overlap: bool) -> None:
     """Sender side (rank 0): broadcast every bucket, packing the next one meanwhile."""
     pg = _join(group, 0)
-    device = "cuda" if group.backend == "nccl" else "cpu"
+    device = group.device
     size = max(b.nbytes for b in buckets)
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
 
@@ -159,11 +161,10 @@ class BroadcastRoute:
         self.members: tuple[str, ...] = ()
 
     def reaches(self, sender: Placement, receiver: Placement) -> str:
-        if sender.gpu and receiver.gpu:
-            return "NCCL broadcast group: one broadcast per bucket reaches all its members"
-        if not sender.gpu and not receiver.gpu and receiver.api == "engine":
-            return "gloo broadcast group: one broadcast per bucket reaches all its members"
-        return ""
+        if sender.gpu != receiver.gpu or (receiver.api == "sglang" and not sender.gpu):
+            return ""  # our engines are on CPU; SGLang receives onto its GPU
+        backend = self.cfg.broadcast_backend or ("nccl" if sender.gpu else "gloo")
+        return f"{backend} broadcast group: one broadcast per bucket reaches all its members"
 
     async def push(self, push: Push, receivers: list[Receiver]) -> dict[str, Delivery]:
         ranks = [await _ranks(r) for r in receivers]
@@ -171,9 +172,11 @@ class BroadcastRoute:
         fresh = self.group is None or members != self.members
         if fresh:
             host, port = await push.sender.run(address)
+            gpu = push.sender.placement.gpu
             self.group = Group(
                 f"loongsage-weights-{uuid.uuid4().hex[:8]}",
-                "nccl" if push.sender.placement.gpu else "gloo",
+                self.cfg.broadcast_backend or ("nccl" if gpu else "gloo"),
+                "cuda" if gpu else "cpu",
                 host,
                 port,
                 1 + sum(ranks),

@@ -35,6 +35,10 @@ class TransferConfig:
     disk_dir: str = ""
     """Folder of the disk route, readable by every receiver (and SGLang server) it serves; empty:
     the system temporary folder (same host only)."""
+    broadcast_backend: str = ""
+    """Collective of the broadcast route: nccl or gloo; empty: NCCL between GPUs, gloo
+    otherwise. gloo also moves GPU tensors (through host memory): for a trainer and a server on
+    one GPU, which NCCL refuses (two ranks on one device)."""
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -43,6 +47,11 @@ class TransferConfig:
             raise ValueError(f"transfer.timeout_s must be > 0, got {self.timeout_s}")
         if self.route:
             ROUTES.check(self.route)
+        if self.broadcast_backend not in ("", "nccl", "gloo"):
+            raise ValueError(
+                f"transfer.broadcast_backend must be nccl, gloo or empty, got "
+                f"{self.broadcast_backend!r}"
+            )
 
     @property
     def bucket_bytes(self) -> int:
