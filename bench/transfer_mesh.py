@@ -13,7 +13,8 @@ Prints, in one run:
    copy every tensor into preallocated weights), in this process (`in_process`) or each in its
    own Ray actor (the other routes), without a model to run;
 3. pipelining: the broadcast route with 64 MiB buckets, packing bucket k+1 while bucket k is in
-   flight, against one bucket after the other;
+   flight, against one bucket after the other, for a trainer whose tensors are in memory and
+   for one that waits 50 ms to gather each bucket (as a sharded trainer's gathers do);
 4. the generation stall of an update: a real engine (the tiny model) generates a long request
    while versions are pushed; the largest gap between two tokens during a push, against the
    largest gap without pushes, and the stall the engine reports (its swap; in `abort_resubmit`,
@@ -200,29 +201,52 @@ async def route_table(bench: BenchConfig, memcpy: float) -> list[str]:
     return rows
 
 
+class GatherLatency(StateDictSource):
+    """A trainer that waits `delay_s` to gather each bucket (a sharded trainer's all-gather or a
+    GPU-to-host copy: time the sending process spends waiting, not computing)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], delay_s: float) -> None:
+        super().__init__(state)
+        self.delay_s = delay_s
+
+    def hf_tensors(self, names):
+        time.sleep(self.delay_s)
+        yield from super().hf_tensors(names)
+
+
 async def pipeline_table(bench: BenchConfig) -> list[str]:
     size = max(bench.sizes_mb)
     state = llm_like_state(size)
     nbytes = sum(t.numel() * 4 for t in state.values())
+    delay = 0.05
     rows = [
-        f"| broadcast, {size} MB, {bench.pipeline_bucket_mb:g} MiB buckets | seconds | GB/s |",
-        "|---|---:|---:|",
+        f"| broadcast, {size} MB, {bench.pipeline_bucket_mb:g} MiB buckets, 1 receiver | "
+        "one bucket after another | pipelined | gain |",
+        "|---|---:|---:|---:|",
     ]
-    results = {}
-    for pipeline in (False, True):
-        engines = sinks(state, 1, in_process=False)
-        cfg = TransferConfig(
-            route="broadcast", bucket_mb=bench.pipeline_bucket_mb, pipeline=pipeline
-        )
-        mesh = TransferMesh(state, engines, cfg)
-        results[pipeline] = await time_pushes(mesh, bench.repeats)
-        await mesh.close()
-        ray.kill(engines[0].handle)
-        label = "pipelined (pack k+1 while k is sent)" if pipeline else "one bucket after another"
+    sources = {
+        "the trainer's tensors in memory (packing is a copy)": state,
+        f"{delay * 1e3:.0f} ms to gather each bucket (a sharded trainer)": GatherLatency(
+            state, delay
+        ),
+    }
+    for label, source in sources.items():
+        seconds = {}
+        for pipeline in (False, True):
+            engines = sinks(state, 1, in_process=False)
+            cfg = TransferConfig(
+                route="broadcast", bucket_mb=bench.pipeline_bucket_mb, pipeline=pipeline
+            )
+            mesh = TransferMesh(source, engines, cfg)
+            seconds[pipeline] = await time_pushes(mesh, bench.repeats)
+            await mesh.close()
+            ray.kill(engines[0].handle)
         rows.append(
-            f"| {label} | {results[pipeline]:.3f} | {nbytes / results[pipeline] / 1e9:.2f} |"
+            f"| {label} | {seconds[False]:.3f} s ({nbytes / seconds[False] / 1e9:.2f} GB/s) | "
+            f"{seconds[True]:.3f} s ({nbytes / seconds[True] / 1e9:.2f} GB/s) | "
+            f"{seconds[False] / seconds[True]:.2f}x |"
         )
-    rows.append(f"| gain | {results[False] / results[True]:.2f}x | |")
+        print(rows[-1], flush=True)
     return rows
 
 

@@ -348,3 +348,61 @@ async def test_an_sglang_server_gets_a_checkpoint_folder_while_it_generates(base
             assert not info["paused"] and info["weight_version"] == str(version)
             await mesh.close()
         await server.close()
+
+
+# -------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.slow
+async def test_every_route_moves_smollm2_bit_exactly_while_generating(ray_local, smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    base = StateDictSource(AutoModelForCausalLM.from_pretrained(smollm2_path).state_dict()).tensors
+    local = LocalEngine(smollm2_path)
+    actor = spawn_engine(EngineConfig(), smollm2_path, num_cpus=1)
+    try:
+        for version, route in enumerate(["in_process", "shm", "broadcast", "disk"], start=1):
+            engine = local if route == "in_process" else actor
+            new = perturbed(base, seed=version)
+            mesh = TransferMesh(new, [engine], TransferConfig(route=route, bucket_mb=64))
+            old = engine.weight_version
+            versions = await generate_across_push(engine, mesh, version)
+            await mesh.close()
+            switch = versions.index(version)
+            assert versions == [old] * switch + [version] * (len(versions) - switch), route
+            assert_same(await remote_weights(engine), new)
+            del new
+    finally:
+        await local.close()
+        await actor.close()
+
+
+async def test_an_sglang_server_whose_update_fails_serves_nothing_until_a_whole_version():
+    """SGLang loads buckets into its live weights: after a failure it may hold a mix, so it is
+    left paused (its running requests aborted) until an update succeeds."""
+    from trainer.transfer.sglang import sglang_update
+
+    async def broken(flush: bool) -> None:
+        await server.update_weights_from_tensor(["c2VyaWFsaXplZA=="], None)  # bucket 1 lands
+        raise RuntimeError("the trainer died after the first bucket")
+
+    async def whole(flush: bool) -> None:
+        await server.update_weights_from_tensor(["c2VyaWFsaXplZA=="], 5)
+
+    with serve_fake("--tokens-per-s", "200") as url:
+        server = await SGLangEngine(url).connect()
+        running = asyncio.ensure_future(
+            server.generate(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True))
+        )
+        await asyncio.sleep(0.2)
+        with pytest.raises(RuntimeError, match="after the first bucket"):
+            await sglang_update(server, "continue", broken, session=True)
+        assert (await running).finish_reason == "abort"
+        info = await server.get_server_info()
+        assert info["paused"] and info["weight_version"] == "default"
+        stall = await sglang_update(server, "continue", whole, session=True)
+        info = await server.get_server_info()
+        assert not info["paused"] and info["weight_version"] == "5" and stall > 0
+        out = await server.generate(PROMPT, SamplingParams(max_tokens=3))
+        assert out.output_versions == [5, 5, 5]
+        await server.close()

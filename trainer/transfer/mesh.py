@@ -350,7 +350,13 @@ def _specs(source: Any) -> list:
 
 
 async def _healthy(receiver: Receiver) -> bool:
+    """Whether a receiver can take a version: alive (an SGLang server answers at all; its
+    /health fails while it is paused, as one left paused after a failed update is)."""
+    engine = receiver.engine
     try:
-        return bool(await asyncio.wait_for(receiver.engine.health(), 10))
+        if receiver.placement.api == "sglang":
+            await asyncio.wait_for(engine.get_model_info(), 10)
+            return True
+        return bool(await asyncio.wait_for(engine.health(), 10))
     except Exception:  # noqa: BLE001 - a dead engine is simply not healthy
         return False
