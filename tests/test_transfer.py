@@ -292,7 +292,9 @@ async def test_a_lagging_engine_serves_its_old_version_and_its_tokens_count_as_s
     try:
         report = await mesh.push(1)
         assert report.delivered == 1 and "shape" in report.failed["engine1"]
-        assert report.metrics()["weights/failed"] == 1.0
+        metrics = report.metrics()
+        assert metrics["weights/failed"] == 1.0
+        assert metrics["weights/version/engine0"] == 1 and metrics["weights/version/engine1"] == 0
         assert [(s["engine"], s["version"]) for s in mesh.status()] == [
             ("engine0", 1),
             ("engine1", 0),

@@ -213,6 +213,8 @@ class PushReport:
     """Engine name -> seconds it stopped generating to switch (delivered engines)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Engine name -> why it keeps its old version."""
+    versions: dict[str, int] = field(default_factory=dict)
+    """Engine name -> the version it serves after the push (its last acknowledged one)."""
 
     @property
     def receivers(self) -> int:
@@ -241,6 +243,7 @@ class PushReport:
                 f"weights/{r.route}/gb_per_s": r.gb_per_s,
             }
         out |= {f"weights/stall_s/{name}": s for name, s in self.stalls.items()}
+        out |= {f"weights/version/{name}": float(v) for name, v in self.versions.items()}
         return out
 
 
@@ -312,6 +315,7 @@ class TransferMesh:
                 else:
                     r.error = report.failed[r.name] = d.error
                     log.warning("%s keeps weight version %d: %s", r.name, r.version, d.error)
+                report.versions[r.name] = r.version
         report.seconds = time.perf_counter() - start
         return report
 
