@@ -83,8 +83,8 @@ async def test_an_engine_on_another_node_gets_a_broadcast(two_nodes, tiny_model_
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     new = {k: v + 0.01 for k, v in StateDictSource(model.state_dict()).tensors.items()}
-    here = spawn_engine(EngineConfig(), tiny_model_path, resources={"node_a": 1})
-    there = spawn_engine(EngineConfig(), tiny_model_path, resources={"node_b": 1})
+    here = spawn_engine(EngineConfig(), tiny_model_path, options={"resources": {"node_a": 1}})
+    there = spawn_engine(EngineConfig(), tiny_model_path, options={"resources": {"node_b": 1}})
     mesh = TransferMesh(new, [here, there])
     try:
         assert here.placement.node == mesh.plan.sender.node != there.placement.node

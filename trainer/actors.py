@@ -25,7 +25,7 @@ import asyncio
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from gateway.engines import EngineConfig, make_engine
 from gateway.engines.base import Chunk, EngineError, Generation, PauseMode, SamplingParams
 from gateway.engines.placement import Placement
-from trainer.transfer.endpoints import source_device, weight_source
+from trainer.transfer.endpoints import ScriptedReads, follow_reads, source_device, weight_source
 
 log = logging.getLogger(__name__)
 
@@ -329,19 +329,17 @@ def spawn_engine(
     *,
     num_cpus: float = 1,
     name: str | None = None,
-    resources: dict[str, float] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> RayEngine:
     """Start an `EngineActor` (Ray must be initialized: `init_ray`) and wait until it serves.
 
     `num_cpus` is the Ray resource it holds (and its torch threads); `name` makes the actor
-    findable with `ray.get_actor(name)`; `resources` (custom Ray resources) places it on the
-    nodes that have them. Errors building the engine (bad config or model) are raised here as
-    ValueError / EngineError."""
-    options: dict[str, Any] = {"num_cpus": num_cpus}
+    findable with `ray.get_actor(name)`; `options` are further Ray actor options (GPUs,
+    resources, a placement group: trainer/cluster.py). Errors building the engine (bad config
+    or model) are raised here as ValueError / EngineError."""
+    options = {"num_cpus": num_cpus, **(options or {})}
     if name is not None:
         options["name"] = name
-    if resources:
-        options["resources"] = resources
     handle = EngineActor.options(**options).remote(cfg, str(model_path))
     try:
         info = ray.get(handle.info.remote())
@@ -384,9 +382,29 @@ class BackendActor:
     def placement(self) -> Placement:
         return Placement.here(source_device(weight_source(self.backend)), ())
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(weight_source, *args)` here (a TransferMesh route's sending half)."""
-        return fn(weight_source(self.backend), *args)
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        reads: Sequence[Sequence[str]] | None = None,
+        lead: bool = True,
+    ) -> Any:
+        """`fn(weight_source, *args)` here (a TransferMesh route's sending half).
+
+        `reads`: the names `fn` asks `hf_tensors` for, call by call, when the backend's ranks
+        gather together (trainer/cluster.py's RankGroup). The lead rank runs `fn` and makes
+        exactly those calls even if `fn` fails half way; the others (`lead=False`) only make
+        the calls, so no rank waits in a collective that another skipped."""
+        source = weight_source(self.backend)
+        if reads is None:
+            return fn(source, *args)
+        if not lead:
+            return follow_reads(source, reads)
+        scripted = ScriptedReads(source, reads)
+        try:
+            return fn(scripted, *args)
+        finally:
+            scripted.finish()
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self.backend.save_checkpoint(path, extra)
@@ -426,10 +444,12 @@ class RayBackend:
         """A copy of the weights in this process (weight pushes use `run` instead)."""
         return self._get(self.handle.state_dict.remote())
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(weight_source, *args)` in the backend actor."""
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, reads: Sequence[Sequence[str]] | None = None
+    ) -> Any:
+        """`fn(weight_source, *args)` in the backend actor (`reads`: see `BackendActor.run`)."""
         try:
-            return await self.handle.run.remote(fn, *args)
+            return await self.handle.run.remote(fn, *args, reads=reads)
         except RayTaskError as exc:
             raise _cause(exc) from None
 

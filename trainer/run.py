@@ -10,9 +10,10 @@ controller:
 
 `engine.replicas` local engines (or one engine per SGLang URL) stand behind the gateway's
 session-sticky, least-loaded router; each is a TransferMesh receiver, and the plan of which
-route reaches which engine is printed at start. The engines and the backend run as Ray actors
-with `ray.enabled`, unless the engine kind is a client of servers elsewhere (`remote`, e.g.
-SGLang), which keeps the rest of the run in this process.
+route reaches which engine is printed at start. With `ray.enabled` the backend's ranks run as
+Ray actors (one per rank: tensor x pipeline x data parallel), and so does each engine unless
+its kind is a client of servers elsewhere (`remote`, e.g. SGLang); trainer/cluster.py places
+them, on this machine or on the cluster at `ray.address`.
 The gateway also listens on a Unix socket in a private temporary folder: the only way out of
 the sandboxes of black-box agents. `--help` lists every key with its help text;
 `recipe=quickstart` is the CPU default.
@@ -23,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,36 +52,43 @@ from trainer.transfer import TransferMesh
 async def engines_and_backend(
     cfg: TrainerConfig, model_path: str
 ) -> AsyncIterator[tuple[list[Engine], TrainBackend]]:
-    """The engines and the train backend, as Ray actors (`ray.enabled`, for engines that run
-    here) or in this process; all stopped on exit."""
+    """The engines and the train backend; all stopped on exit. With `ray.enabled` the
+    backend's ranks are Ray actors, and so are the engines unless they are clients of servers
+    elsewhere (trainer/cluster.py places them); otherwise all run in this process."""
     async with contextlib.AsyncExitStack() as stack:
-        if cfg.ray.enabled and not ENGINES.attrs(cfg.engine.kind)["remote"]:
-            from trainer.actors import init_ray, spawn_backend, spawn_engine
+        remote = ENGINES.attrs(cfg.engine.kind)["remote"]
+        if cfg.ray.enabled:
+            from trainer import cluster
 
-            check_ray_cpus(cfg)
-            init_ray(cfg.ray.address, cfg.ray.num_cpus)
-            engines: list[Engine] = []
-            for replica in replica_configs(cfg.engine):
-                engines.append(spawn_engine(replica, model_path, num_cpus=cfg.ray.engine_cpus))
-                stack.push_async_callback(engines[-1].close)
-            backend = spawn_backend(cfg, num_cpus=cfg.ray.trainer_cpus)
-            stack.callback(backend.close)
+            check_ray_cpus(cfg, remote)
+            cluster.init(cfg.ray)
+        if cfg.ray.enabled and not remote:
+            engines: list[Engine] = [
+                await stack.enter_async_context(cluster.placed_engine(cfg, replica, model_path))
+                for replica in replica_configs(cfg.engine)
+            ]
         else:
             engines = make_engines(cfg.engine, model_path)
             for engine in engines:
                 stack.push_async_callback(engine.close)
+        if cfg.ray.enabled:
+            backend = stack.enter_context(cluster.placed_trainer(cfg))
+            print(cluster.describe(engines, backend), flush=True)
+        else:
             backend = make_backend(cfg)
         yield engines, backend
 
 
-def check_ray_cpus(cfg: TrainerConfig) -> None:
-    """A local Ray must hold every actor, or spawning the last one waits forever."""
-    need = cfg.engine.replicas * cfg.ray.engine_cpus + cfg.ray.trainer_cpus
+def check_ray_cpus(cfg: TrainerConfig, remote_engines: bool) -> None:
+    """A local Ray must hold every actor, or placing the last one waits (and fails) first."""
+    engines = 0 if remote_engines else cfg.engine.replicas
+    need = engines * cfg.ray.engine_cpus + cfg.train.world_size * cfg.ray.trainer_cpus
     if cfg.ray.address is None and need > cfg.ray.num_cpus:
         raise ConfigError(
-            f"ray.num_cpus={cfg.ray.num_cpus} cannot hold engine.replicas={cfg.engine.replicas} "
-            f"x ray.engine_cpus={cfg.ray.engine_cpus} + ray.trainer_cpus={cfg.ray.trainer_cpus}; "
-            "raise ray.num_cpus (logical CPUs may exceed the cores) or lower the others"
+            f"ray.num_cpus={cfg.ray.num_cpus} cannot hold {engines} engine(s) x "
+            f"ray.engine_cpus={cfg.ray.engine_cpus} + {cfg.train.world_size} trainer rank(s) x "
+            f"ray.trainer_cpus={cfg.ray.trainer_cpus}; raise ray.num_cpus (logical CPUs may "
+            "exceed the cores) or lower the others"
         )
 
 
@@ -88,6 +98,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     model_path = resolve_model(cfg.model.name)
     async with contextlib.AsyncExitStack() as stack:
         engines, backend = await stack.enter_async_context(engines_and_backend(cfg, model_path))
+        _stop_on_sigterm(stack)
         engine = serve_together(engines)
         if len(engines) > 1:
             stack.push_async_callback(engine.close)  # the router's health checks
@@ -109,6 +120,17 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             run_dir=run_dir,
         )
         return await controller.run()
+
+
+def _stop_on_sigterm(stack: contextlib.AsyncExitStack) -> None:
+    """SIGTERM stops the run as Ctrl-C does: every task cancelled, everything started stopped
+    (sandboxes included), then exit. Set after Ray starts, whose own handler would exit from
+    wherever the loop happens to be and leave worker threads to finish their agents first."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, signal.raise_signal, signal.SIGINT)
+    stack.callback(loop.remove_signal_handler, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -186,7 +186,7 @@ class BroadcastRoute:
         group = self.group
         offsets = [1 + sum(ranks[:i]) for i in range(len(receivers))]
         sending = asyncio.ensure_future(
-            push.sender.run(send, group, push.buckets, push.cfg.pipeline)
+            push.sender.run(send, group, push.buckets, push.cfg.pipeline, reads=push.reads)
         )
         done = await asyncio.gather(
             *(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from collections.abc import Awaitable
 
 import torch
 
@@ -91,15 +92,16 @@ class CudaIpcRoute:
         size = max(b.nbytes for b in push.buckets)
         buckets = push.buckets
 
+        def pack_next(bucket: Bucket) -> Awaitable[str]:
+            return push.sender.run(ipc_payload, bucket, size, reads=[bucket.names])
+
         async def load(flush: bool) -> None:
-            pending = asyncio.ensure_future(push.sender.run(ipc_payload, buckets[0], size))
+            pending = asyncio.ensure_future(pack_next(buckets[0]))
             for b in buckets:
                 payload = await pending
                 last = b.index == len(buckets) - 1
                 if not last and push.cfg.pipeline:
-                    pending = asyncio.ensure_future(
-                        push.sender.run(ipc_payload, buckets[b.index + 1], size)
-                    )
+                    pending = asyncio.ensure_future(pack_next(buckets[b.index + 1]))
                 await engine.update_weights_from_tensor(
                     [payload] * ranks,
                     push.version if last else None,
@@ -107,9 +109,7 @@ class CudaIpcRoute:
                     flush_cache=flush and last,
                 )
                 if not last and not push.cfg.pipeline:
-                    pending = asyncio.ensure_future(
-                        push.sender.run(ipc_payload, buckets[b.index + 1], size)
-                    )
+                    pending = asyncio.ensure_future(pack_next(buckets[b.index + 1]))
 
         return await sglang_update(engine, push.mode, load, session=True)
 

@@ -82,7 +82,9 @@ class DiskRoute:
     async def push(self, push: Push, receivers: list[Receiver]) -> dict[str, Delivery]:
         folder = os.path.join(self.root, f"{self.prefix}-v{push.version}")
         try:
-            await push.sender.run(write_folder, folder, push.buckets, push.cfg.pipeline)
+            await push.sender.run(
+                write_folder, folder, push.buckets, push.cfg.pipeline, reads=push.reads
+            )
         except Exception as exc:  # noqa: BLE001 - nobody gets this version
             failed = Delivery(False, error=f"writing {folder} failed: {exc!r}")
             return {r.name: failed for r in receivers}

@@ -4,8 +4,9 @@
 device, and (for receivers) the transports it accepts and the API it speaks. The planner
 compares placements; routes use the adapters below to run their halves in the right process:
 
-- `Sender.run(fn, *args)` calls `fn(source, *args)` where the weights live, `source` being the
-  trainer's `WeightSource` (in this process: in a worker thread; a Ray backend: in its actor);
+- `Sender.run(fn, *args, reads=...)` calls `fn(source, *args)` where the weights live, `source`
+  being the trainer's `WeightSource` (in this process: in a worker thread; a Ray backend: in
+  its actor; a backend of several ranks: on rank 0, the others gathering the `reads` with it);
 - `Receiver.run(fn, *args)` calls `await fn(engine, *args)` next to the engine (in this
   process, or in the engine's Ray actor).
 
@@ -87,12 +88,54 @@ def weight_source(owner: Any) -> WeightSource:
 
 
 def source_device(source: WeightSource) -> str:
-    """`cuda` or `cpu`: where the first tensor of `source` lives."""
+    """`cuda` or `cpu`: where `source` yields its tensors. A source with a `device` attribute
+    (None: CPU) says so without gathering anything (a sharded trainer: asking it for a tensor
+    is a collective); otherwise its first tensor tells."""
+    if hasattr(source, "device"):
+        device = source.device
+        return "cuda" if device is not None and torch.device(device).type == "cuda" else "cpu"
     specs = source.hf_specs()
     if not specs:
         return "cpu"
     _, tensor = next(iter(source.hf_tensors([specs[0].name])))
     return "cuda" if tensor.is_cuda else "cpu"
+
+
+class ScriptedReads:
+    """A sharded trainer's `WeightSource` on the rank that sends, when its ranks gather
+    together: each `hf_tensors` call must be the next one announced in `reads` and is iterated
+    to its end even if the caller stops early, and `finish()` makes the announced calls the
+    caller did not make (it failed half way). The other ranks make exactly the announced calls
+    (`follow_reads`), so none of them waits in a collective that the sender skipped."""
+
+    def __init__(self, source: WeightSource, reads: Sequence[Sequence[str]]) -> None:
+        self.source = source
+        self._reads = iter(reads)
+
+    def hf_specs(self) -> list[TensorSpec]:
+        return self.source.hf_specs()
+
+    def hf_tensors(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        announced = next(self._reads, None)
+        if announced is None or list(announced) != list(names):
+            raise AssertionError(f"hf_tensors({list(names)[:3]}...) was not announced next")
+        tensors = self.source.hf_tensors(names)
+        try:
+            yield from tensors
+        finally:
+            for _ in tensors:  # the caller stopped early: the other ranks still gather the rest
+                pass
+
+    def finish(self) -> None:
+        follow_reads(self.source, list(self._reads))
+
+
+def follow_reads(source: WeightSource, reads: Sequence[Sequence[str]]) -> None:
+    """Make the `hf_tensors` calls `reads` announces, dropping the tensors (a rank that only
+    takes part in gathering them)."""
+    for names in reads:
+        for _ in source.hf_tensors(names):
+            pass
 
 
 class Sender:
@@ -109,9 +152,14 @@ class Sender:
             self.local = weight_source(owner)
             self.placement = Placement.here(source_device(self.local), ())
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, reads: Sequence[Sequence[str]] | None = None
+    ) -> Any:
+        """`fn(source, *args)` where the weights live. A `fn` that reads tensors announces the
+        names it will ask `hf_tensors` for, call by call (`reads`), so that the other ranks of
+        a sharded trainer gather them alongside (`RankGroup.run`)."""
         if self._remote is not None:
-            return await self._remote(fn, *args)
+            return await self._remote(fn, *args, reads=reads)
         return await asyncio.to_thread(fn, weight_source(self.owner), *args)
 
 
@@ -133,8 +181,8 @@ class Receiver:
     @classmethod
     def of(cls, engine: Any, name: str) -> Receiver:
         placement = getattr(engine, "placement", None)
-        if placement is None:
-            placement = Placement.here("cpu", ("in_process",))
+        if placement is None:  # ours, in this process: every route that runs code next to it
+            placement = Placement.here("cpu")
         return cls(name, engine, placement, engine.weight_version)
 
     async def run(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:

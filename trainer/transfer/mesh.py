@@ -72,6 +72,11 @@ class Push:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
+    @property
+    def reads(self) -> list[list[str]]:
+        """What a sending half that packs every bucket asks `hf_tensors` for (`Sender.run`)."""
+        return [b.names for b in self.buckets]
+
 
 @dataclass
 class Delivery:

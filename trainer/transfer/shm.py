@@ -155,7 +155,12 @@ class ShmRoute:
         self._sender = push.sender
         try:
             await push.sender.run(
-                write_segment, self.path, push.buckets, push.version, push.cfg.pipeline
+                write_segment,
+                self.path,
+                push.buckets,
+                push.version,
+                push.cfg.pipeline,
+                reads=push.reads,
             )
         except Exception as exc:  # noqa: BLE001 - nobody gets this version
             failed = Delivery(False, error=f"writing the segment failed: {exc!r}")
