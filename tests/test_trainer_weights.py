@@ -110,3 +110,47 @@ def test_tied_weights_are_one_tensor_in_the_view():
     w = torch.zeros(10, 4)
     source = StateDictSource({"a": w, "b": w, "c": torch.zeros(3, dtype=torch.bfloat16)})
     assert [(s.name, s.nbytes) for s in source.hf_specs()] == [("a", 160), ("c", 6)]
+
+
+class Recorder(StateDictSource):
+    """A source that records the tensors it yields (what a sharded trainer's ranks gather)."""
+
+    def __init__(self, state) -> None:
+        super().__init__(state)
+        self.gathered: list[str] = []
+
+    def hf_tensors(self, names):
+        for name, tensor in super().hf_tensors(names):
+            self.gathered.append(name)
+            yield name, tensor
+
+
+def test_the_sending_rank_makes_every_announced_gather_even_when_its_route_fails():
+    from trainer.transfer import make_buckets
+    from trainer.transfer.buckets import pack
+    from trainer.transfer.endpoints import ScriptedReads, follow_reads
+
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(5)}
+    buckets = make_buckets(StateDictSource(state).hf_specs(), bucket_bytes=32)
+    reads = [b.names for b in buckets]
+    assert len(reads) == 3
+
+    def failing_route(source) -> None:  # packs the first bucket, stops inside the second
+        out = torch.empty(32, dtype=torch.uint8)
+        pack(source.hf_tensors(buckets[0].names), buckets[0], out)
+        half = source.hf_tensors(buckets[1].names)
+        next(half)
+        raise ConnectionError("receiver gone")
+
+    lead, other = Recorder(state), Recorder(state)
+    scripted = ScriptedReads(lead, reads)
+    with pytest.raises(ConnectionError):
+        try:
+            failing_route(scripted)
+        finally:
+            scripted.finish()
+    follow_reads(other, reads)
+    assert lead.gathered == other.gathered == list(state)  # all of them, in the same order
+    # a gather the route did not announce would leave the other ranks out of step: refused
+    with pytest.raises(AssertionError, match="not announced"):
+        ScriptedReads(lead, reads).hf_tensors(buckets[1].names)

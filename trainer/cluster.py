@@ -37,7 +37,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from gateway.engines import EngineConfig
-from trainer.actors import BackendActor, RayBackend, RayEngine, init_ray, spawn_engine
+from trainer.actors import BackendActor, RayBackend, RayEngine, _cause, init_ray, spawn_engine
 from trainer.config import RayConfig, TrainerConfig
 
 
@@ -151,7 +151,7 @@ class RankGroup(RayBackend):
         try:
             return (await asyncio.gather(*refs))[0]
         except RayTaskError as exc:
-            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+            raise _cause(exc) from None
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self._call("save_checkpoint", Path(path), extra)

@@ -46,7 +46,13 @@ implements the two methods on the process that sends, gathering and converting o
     hf_tensors(names) -> Iterator[(name, tensor)] # full HF tensors for these names, one at a time
 
 and offers it as `backend.weight_source()`; every route then streams it bucket by bucket (peak
-extra memory: one bucket plus one tensor), and `TransferMesh` needs nothing else from it.
+extra memory: one bucket plus one tensor), and `TransferMesh` needs nothing else from it. The
+megatron backend does so (trainer/backends/megatron): its ranks are Ray actors
+(`trainer.cluster.RankGroup`), so a route's sending half runs on rank 0 and announces the
+`hf_tensors` calls it will make (`Sender.run(..., reads=)`); the other ranks make the same calls
+alongside, since gathering a tensor-parallel or pipeline-parallel parameter is collective, and
+rank 0 makes all of them even when the route fails half way. A source may say where its tensors
+are with a `device` attribute (None: CPU), which the planner then reads instead of gathering.
 """
 
 from trainer.transfer.buckets import Bucket, TensorSpec, make_buckets

@@ -103,31 +103,51 @@ def source_device(source: WeightSource) -> str:
 
 class ScriptedReads:
     """A sharded trainer's `WeightSource` on the rank that sends, when its ranks gather
-    together: each `hf_tensors` call must be the next one announced in `reads` and is iterated
-    to its end even if the caller stops early, and `finish()` makes the announced calls the
-    caller did not make (it failed half way). The other ranks make exactly the announced calls
-    (`follow_reads`), so none of them waits in a collective that the sender skipped."""
+    together: each `hf_tensors` call must be the next one announced in `reads`, a call the
+    caller stops iterating early is finished before the next one starts, and `finish()` makes
+    the announced calls the caller did not make (it failed half way). The other ranks make
+    exactly the announced calls (`follow_reads`), so none of them waits in a collective that
+    the sender skipped or reordered."""
 
     def __init__(self, source: WeightSource, reads: Sequence[Sequence[str]]) -> None:
         self.source = source
         self._reads = iter(reads)
+        self._open: Iterator[tuple[str, torch.Tensor]] | None = None
 
     def hf_specs(self) -> list[TensorSpec]:
         return self.source.hf_specs()
 
     def hf_tensors(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._drain()
         announced = next(self._reads, None)
         if announced is None or list(announced) != list(names):
             raise AssertionError(f"hf_tensors({list(names)[:3]}...) was not announced next")
-        tensors = self.source.hf_tensors(names)
-        try:
-            yield from tensors
-        finally:
-            for _ in tensors:  # the caller stopped early: the other ranks still gather the rest
+        self._open = iter(self.source.hf_tensors(names))
+        return _Borrowed(self._open)
+
+    def _drain(self) -> None:
+        if self._open is not None:
+            for _ in self._open:
                 pass
+            self._open = None
 
     def finish(self) -> None:
+        self._drain()
         follow_reads(self.source, list(self._reads))
+
+
+class _Borrowed:
+    """An iterator the caller may drop half way without closing the one it reads (which
+    `ScriptedReads` then finishes)."""
+
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._it = it
+
+    def __iter__(self) -> _Borrowed:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._it)
 
 
 def follow_reads(source: WeightSource, reads: Sequence[Sequence[str]]) -> None:
