@@ -157,7 +157,8 @@ def test_a_new_engine_kind_is_one_module_and_one_line(tiny_model_path, kinds_mod
 
 class Receiver:
     """A receiver in this process that records what happens to it; `routes` are the transports
-    it accepts (without them, like most engines, it has no `placement`: `in_process`)."""
+    it accepts (without them, like most engines, it has no `placement`: an engine in this
+    process, which takes every route that runs code next to it)."""
 
     def __init__(self, *routes: str) -> None:
         if routes:
@@ -239,7 +240,7 @@ async def test_a_forced_route_reaches_every_engine_the_same_way():
     await mesh.push(1)
     assert all(r.calls == ["update:1:['w']"] for r in receivers)
     with pytest.raises(ValueError, match="transfer.route=disk reaches"):
-        TransferMesh({"w": torch.ones(2)}, [Receiver()], TransferConfig(route="disk"))
+        TransferMesh({"w": torch.ones(2)}, [Receiver("in_process")], TransferConfig(route="disk"))
 
 
 def test_sandbox_kinds_check_before_a_run(monkeypatch):

@@ -72,6 +72,7 @@ def two_nodes() -> Iterator[None]:
         stack.enter_context(
             raylet(f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"node_b": 4}')
         )
+        deadline = time.monotonic() + 300  # a loaded machine starts a raylet slowly
         while sum(node["Alive"] for node in ray.nodes()) < 2:
             assert time.monotonic() < deadline, "the second raylet did not join"
             time.sleep(0.5)
