@@ -5,8 +5,8 @@
     .venv/bin/python bench/async.py model=smollm2 steps=6
 
 Each setting runs the real loop (`trainer.controller.Controller`): the embedded engine
-(`LocalEngine`) generates, the torch backend trains, `InProcessPush` swaps the engine's weights
-after every step. The workload has long-tailed response lengths: each sample's length is drawn
+(`LocalEngine`) generates, the torch backend trains, TransferMesh (in process) swaps the
+engine's weights after every step. The workload has long-tailed response lengths: each sample's length is drawn
 from a Pareto distribution (seeded, the same draws for every setting) and forced with
 `ignore_eos`, so a few long generations hold up a synchronous batch while the rest of the
 engine idles. Rollouts call the engine directly (no gateway or env), so the benchmark measures
@@ -43,7 +43,7 @@ from trainer.backends.torch_backend import TorchBackend
 from trainer.config import TrainerConfig
 from trainer.controller import Controller
 from trainer.metrics import read_metrics
-from trainer.weights import InProcessPush
+from trainer.transfer import TransferMesh
 
 
 @dataclass
@@ -119,7 +119,7 @@ async def run_setting(bench: BenchConfig, staleness: int, out: Path) -> dict[str
     run_dir = out / f"staleness_{staleness}"
     backend = TorchBackend(path, cfg.train, cfg.algorithm, total_steps=cfg.run.steps)
     async with LocalEngine(path, max_batch_size=bench.max_batch_size) as engine:
-        push = InProcessPush([engine], cfg.rollout.partial_rollout)
+        push = TransferMesh(backend, [engine], mode=cfg.rollout.partial_rollout)
         ctl = Controller(cfg, backend, LongTailSource(engine, bench), push, run_dir=run_dir)
         await ctl.run()
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 2]

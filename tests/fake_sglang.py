@@ -11,7 +11,9 @@ SGLang's source (`entrypoints/http_server.py`, `managers/io_struct.py`,
 - The answer is `{text, output_ids, meta_info}` with `id`, `finish_reason`
   (`{"type": "stop", "matched": ID}`, `{"type": "stop", "matched": "str"}`,
   `{"type": "length", "length": N}`, `{"type": "abort", "message": ...}`), `prompt_tokens`,
-  `completion_tokens`, `cached_tokens`, `weight_version` (a string, `"default"` at start),
+  `completion_tokens`, `cached_tokens`, `weight_version` (a string, `"default"` at start; the
+  version of the last output token), `weight_versions` (per-token spans
+  `[{version, start, end}]` over the whole output, one per version a request ran under),
   `e2e_latency` and, with `return_logprob`, `output_token_logprobs` / `input_token_logprobs`
   as `[logprob, token_id, null]` (the prompt's first entry has a null logprob); with
   `top_logprobs_num=k`, `output_top_logprobs` (per output position, k such triples).
@@ -22,7 +24,11 @@ SGLang's source (`entrypoints/http_server.py`, `managers/io_struct.py`,
 - `/pause_generation` (`mode`: `abort` ends running requests, `retract` and `in_place` hold them;
   new requests wait) and `/continue_generation`; `/abort_request` (`rid` or `abort_all`);
   `/flush_cache` (400 while requests run); the weight routes answer
-  `{"success", "message"}` and set `weight_version` when given one; `/health` (which, like
+  `{"success", "message"}` and set `weight_version` when given one (only when it is given:
+  a bucket without one leaves the version alone); `/update_weights_from_tensor` and
+  `/update_weights_from_distributed` are refused (400, `success: false`) outside a
+  `/begin_weight_update` ... `/end_weight_update` session, and a second `begin` or an `end`
+  without one is refused too, as SGLang's weight updater asserts; `/health` (which, like
   SGLang's, runs into its timeout and answers 503 while generation is paused),
   `/get_model_info`, `/get_weight_version`, `/get_server_info`, `/v1/models`.
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import time
 from collections.abc import Iterator
@@ -81,6 +88,20 @@ class BadRequest(ValueError):
     pass
 
 
+def weight_versions(versions: list[str], current: str) -> dict[str, Any]:
+    """SGLang's `weight_versions` spans over the output positions, and `weight_version` (the
+    last span's; the server's current version for an empty output)."""
+    spans: list[dict[str, Any]] = []
+    for pos, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = pos + 1
+        else:
+            spans.append({"version": version, "start": pos, "end": pos + 1})
+    if not spans:
+        spans = [{"version": current, "start": 0, "end": 0}]
+    return {"weight_versions": spans, "weight_version": spans[-1]["version"]}
+
+
 @dataclass
 class FakeConfig:
     model_path: str = "fake/tiny-random"
@@ -119,6 +140,8 @@ class FakeState:
     running: dict[str, Running] = field(default_factory=dict)
     healthy: bool = True
     released: set[str] = field(default_factory=set)
+    session_open: bool = False
+    """Inside /begin_weight_update ... /end_weight_update."""
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: int = 0
     generated_tokens: int = 0
@@ -219,6 +242,7 @@ class FakeSGLang:
             "logprob_start_len": start,
             "top_logprobs_num": top_k,
             "stream": bool(body.get("stream")),
+            "versions": [],
         }
 
     async def generate(self, req: dict[str, Any]):
@@ -260,6 +284,7 @@ class FakeSGLang:
                 top = self.top_row(h, token, req["top_logprobs_num"])
                 h = step(h, token)
                 out_ids.append(token)
+                req["versions"].append(state.weight_version)
                 state.generated_tokens += 1
                 running.waiting = False
                 if token == cfg.eos_token_id and not params["ignore_eos"]:
@@ -309,7 +334,7 @@ class FakeSGLang:
             "id": req["rid"],
             "finish_reason": finish,
             "prompt_tokens": len(req["ids"]),
-            "weight_version": self.state.weight_version,
+            **weight_versions(req.get("versions", [])[:completion], self.state.weight_version),
             "total_retractions": 0,
             "reasoning_tokens": 0,
             "completion_tokens": completion,
@@ -443,6 +468,29 @@ def build_app(config: FakeConfig) -> Starlette:
             status_code=200 if ok else 400,
         )
 
+    def _session_refusal(body: dict[str, Any], route: str) -> Response | None:
+        if state.session_open:
+            return None
+        return _weights_result(body, False, f"{route} requires an open begin_weight_update session")
+
+    async def begin_weight_update(request: Request) -> Response:
+        body = await _json(request)
+        if state.session_open:
+            message = "begin_weight_update called while a weight-update session is already open"
+            return _weights_result({}, False, message)
+        if body.get("selector", "all") not in ("all", "target", "draft"):
+            return _weights_result({}, False, f"invalid selector {body.get('selector')!r}")
+        state.session_open = True
+        return _weights_result({}, True, "Success")
+
+    async def end_weight_update(request: Request) -> Response:
+        if not state.session_open:
+            return _weights_result(
+                {}, False, "end_weight_update called without begin_weight_update"
+            )
+        state.session_open = False
+        return _weights_result({}, True, "Success")
+
     def _weights_result(body: dict[str, Any], ok: bool, message: str, **extra) -> Response:
         if ok and body.get("weight_version") is not None:
             state.weight_version = str(body["weight_version"])
@@ -473,9 +521,16 @@ def build_app(config: FakeConfig) -> Starlette:
 
     async def update_weights_from_tensor(request: Request) -> Response:
         body = await _json(request)
+        if refused := _session_refusal(body, "update_weights_from_tensor"):
+            return refused
         tensors = body.get("serialized_named_tensors")
         if not isinstance(tensors, list) or not tensors:
             return _weights_result(body, False, "serialized_named_tensors is required")
+        try:  # base64 of a pickle per TP rank: not unpickled here (CUDA IPC handles)
+            for payload in tensors:
+                base64.b64decode(payload, validate=True)
+        except (TypeError, ValueError):
+            return _error("serialized_named_tensors must be base64 strings, one per TP rank")
         return _weights_result(body, True, "Succeeded to update model weights.")
 
     async def init_weights_update_group(request: Request) -> Response:
@@ -492,6 +547,8 @@ def build_app(config: FakeConfig) -> Starlette:
 
     async def update_weights_from_distributed(request: Request) -> Response:
         body = await _json(request)
+        if refused := _session_refusal(body, "update_weights_from_distributed"):
+            return refused
         group = body.get("group_name", "weight_update_group")
         if group not in state.groups:
             return _weights_result(body, False, f"Group {group} not in process groups")
@@ -553,6 +610,7 @@ def build_app(config: FakeConfig) -> Starlette:
                 "context_length": config.context_length,
                 "incremental_streaming_output": config.incremental,
                 "weight_version": state.weight_version,
+                "tp_size": 1,
                 "paused": state.paused,
                 "released_memory": sorted(state.released),
                 "num_requests": state.requests,
@@ -585,6 +643,8 @@ def build_app(config: FakeConfig) -> Starlette:
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
+        Route("/end_weight_update", end_weight_update, methods=["POST"]),
         Route("/update_weights_from_tensor", update_weights_from_tensor, methods=["POST"]),
         Route("/init_weights_update_group", init_weights_update_group, methods=["POST"]),
         Route(

@@ -13,17 +13,10 @@ from gateway.engines import EngineConfig
 from gateway.engines.base import EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
 from gateway.engines.router import Router
-from trainer.actors import (
-    RayObjectStorePush,
-    RemoteState,
-    init_ray,
-    pack_state,
-    spawn_backend,
-    spawn_engine,
-    unpack_state,
-)
+from trainer.actors import init_ray, spawn_backend, spawn_engine
 from trainer.backends import TrainSample, make_backend
 from trainer.config import TrainerConfig
+from trainer.transfer import TransferMesh
 
 PROMPT = [1, 15, 27, 300, 301]
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -123,18 +116,6 @@ async def test_bad_input_raises_the_engines_value_error(engine, tiny_model_path)
     assert engine.load == 0 and await engine.health()
 
 
-def test_weights_pack_round_trip_keeps_dtype_and_ties():
-    w = torch.randn(4, 3)
-    state = {"emb": w, "head": w, "b": torch.randn(5).to(torch.bfloat16), "t": w.t()}
-    packed = pack_state(state)
-    assert packed["aliases"] == {"head": "emb"}
-    assert packed["nbytes"] == 48 + 10 + 48
-    back = unpack_state(packed)
-    assert back["head"] is back["emb"] and back["b"].dtype == torch.bfloat16
-    for name, tensor in state.items():
-        assert torch.equal(back[name], tensor)
-
-
 def test_ray_backend_trains_like_the_in_process_backend(backend, trainer_cfg):
     local = make_backend(trainer_cfg)
     step = backend.step
@@ -153,39 +134,44 @@ def test_ray_backend_trains_like_the_in_process_backend(backend, trainer_cfg):
         backend.train_step([])
 
 
-async def test_object_store_push_serves_the_backends_weights(ray_local, backend, tiny_model_path):
+async def test_mesh_serves_the_backends_weights(ray_local, backend, tiny_model_path):
+    """Backend actor -> engine actor over the planned route (shm: one host, CPU), bit-exact."""
     backend.train_step(SAMPLES)
     version = backend.step
     receiver = spawn_engine(EngineConfig(), tiny_model_path)
     before = await receiver.generate(PROMPT, GREEDY)
-    state = backend.state_dict()
-    assert isinstance(state, RemoteState)
-    report = await RayObjectStorePush([receiver]).push(state, version)
+    mesh = TransferMesh(backend, [receiver])
+    assert mesh.plan.sender.pid != receiver.placement.pid
+    assert [route for _, route, _ in mesh.plan.entries] == ["shm"]
+    report = await mesh.push(version)
     assert receiver.weight_version == version
-    assert report.version == version and report.receivers == 1
-    assert report.bytes == state.nbytes > 0 and report.seconds > 0 and report.gb_per_s > 0
+    assert report.version == version and report.delivered == 1 and not report.failed
+    state = backend.state_dict()  # a copy pulled into this process
+    assert report.bytes == sum(t.numel() * 4 for n, t in state.items() if n != "lm_head.weight")
+    assert report.seconds > 0 and report.gb_per_s > 0
 
     after = await receiver.generate(PROMPT, GREEDY)
     async with LocalEngine(tiny_model_path) as local:
-        await local.update_weights(dict(state), version)  # pulls the same weights here
+        await local.update_weights(state, version)
         want = await local.generate(PROMPT, GREEDY)
     assert after.output_ids == want.output_ids
-    assert torch.allclose(torch.tensor(after.output_logprobs), torch.tensor(want.output_logprobs))
+    assert after.output_logprobs == want.output_logprobs  # the same weights, bit for bit
     # The tiny random model may keep its greedy tokens after one step; its log-probs move.
     assert not torch.allclose(
         torch.tensor(after.output_logprobs[:1]), torch.tensor(before.output_logprobs[:1])
     )
     assert after.output_versions == [version] * len(after.output_ids)
-    # Tensors from this process go through the store too (put once), in abort_resubmit mode.
-    again = await RayObjectStorePush([receiver], "abort_resubmit").push(dict(state), version + 1)
-    assert again.bytes == state.nbytes and receiver.weight_version == version + 1
+    retracting = TransferMesh(backend, [receiver], mode="abort_resubmit")
+    again = await retracting.push(version + 1)
+    await retracting.close()
+    assert again.delivered == 1 and receiver.weight_version == version + 1
 
     # A push while a request streams: its later tokens carry the new version (partial rollout).
     # Paused in place around the push so the request cannot finish first on a fast machine.
     stream = receiver.stream(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True), "mid")
     versions = list((await anext(stream)).versions)
     await receiver.pause("in_place")
-    await RayObjectStorePush([receiver]).push(state, version + 2)
+    await mesh.push(version + 2)
     await receiver.resume()
     aborted = False
     async for chunk in stream:
@@ -195,6 +181,7 @@ async def test_object_store_push_serves_the_backends_weights(ray_local, backend,
             await receiver.abort("mid")
     assert versions[0] == version + 1 and versions[-1] == version + 2
     assert versions == sorted(versions) and len(versions) < 1000
+    await mesh.close()
 
     # Behind the gateway's Router like any engine; closing the router ends the actor.
     router = Router([receiver])
@@ -204,13 +191,6 @@ async def test_object_store_push_serves_the_backends_weights(ray_local, backend,
     with pytest.raises(EngineError, match="engine actor"):
         await receiver.generate(PROMPT, GREEDY)
     assert not await receiver.health()
-
-
-def test_push_rejects_engines_in_this_process(tiny_model_path):
-    with pytest.raises(ValueError, match="InProcessPush"):
-        RayObjectStorePush([object()])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="rollout.partial_rollout"):
-        RayObjectStorePush([], "drop")
 
 
 def test_ray_backend_checkpoints_round_trip(backend, tmp_path):

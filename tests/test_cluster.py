@@ -133,18 +133,23 @@ def test_megatron_tp2_on_one_node_engine_on_the_other(two_nodes, tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    placed = dict(re.findall(r"^  (trainer rank \d|engine): node (\w+) ", run.stdout, re.M))
+    placed = dict(re.findall(r"^  (trainer rank \d|engine\d): node (\w+) ", run.stdout, re.M))
     assert placed == {
         "trainer rank 0": trainer_node,
         "trainer rank 1": trainer_node,
-        "engine": rollout_node,
+        "engine0": rollout_node,
     }, run.stdout
+    # the engine is on another Ray node: the weights go there by a gloo broadcast from rank 0
+    assert re.search(r"^  engine0 +broadcast ", run.stdout, re.M), run.stdout
 
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for row in steps:  # trainer (TP 2, gloo) and engine agree on the sampled tokens' log-probs
         assert row["mismatch/logprob_abs_diff"] < 1e-3
+        # TransferMesh streamed the TP-gathered HF tensors and the engine serves the new version
+        assert row["weights/broadcast/gb_per_s"] > 0 and row["weights/failed"] == 0
+        assert row["weights/version/engine0"] == row["step"]
     ranks = sorted(
         p.name for p in (tmp_path / "checkpoints" / "step_000002" / "megatron").iterdir()
     )

@@ -143,8 +143,10 @@ def test_the_checks_see_lazy_imports_and_entry_points():
     registries' string entry points."""
     assert "gateway.engines.local" in imports("gateway.engines", runtime_only=True)
     assert "sandbox.docker_backend" in imports("sandbox.base", runtime_only=True)
-    assert "trainer.actors" in imports("trainer.weights", runtime_only=True)
-    assert "trainer.actors" not in imports("trainer.weights", runtime_only=True, entry_points=False)
+    assert "trainer.transfer.shm" in imports("trainer.transfer.mesh", runtime_only=True)
+    assert "trainer.transfer.shm" not in imports(
+        "trainer.transfer.mesh", runtime_only=True, entry_points=False
+    )
     assert "trainer.config" not in imports("trainer.agents", runtime_only=True)
     assert "trainer.config" in imports("trainer.agents", runtime_only=False)
 

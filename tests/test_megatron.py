@@ -241,7 +241,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(family, request, tmp_path):
     path = request.getfixturevalue("tiny_model_path" if family == "tiny" else f"{family}_path")
     backend = megatron(path)
     want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-    specs = {name: (shape, dtype) for name, shape, dtype in backend.hf_specs()}
+    specs = {s.name: (s.shape, s.torch_dtype) for s in backend.hf_specs()}
     tied = {"lm_head.weight"} if backend.arch.tie_word_embeddings else set()
     assert set(specs) == set(want) - tied  # tied weights once, as the HF folder keeps them
     for name, (shape, dtype) in specs.items():

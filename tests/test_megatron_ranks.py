@@ -1,5 +1,6 @@
 """The megatron backend as several ranks (Ray actors placed by trainer/cluster.py, gloo on CPU):
-tensor, pipeline and data parallel each give what one rank gives."""
+tensor, pipeline and data parallel each give what one rank gives, and TransferMesh streams
+their weights to an engine bit-exactly."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import ray
 import torch
 from test_megatron import BATCH, megatron
 
+from gateway.engines import EngineConfig, make_engine
 from trainer.actors import init_ray
 from trainer.cluster import node_of, placed_trainer
 from trainer.config import load
+from trainer.transfer import TransferConfig, TransferMesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -39,7 +42,7 @@ def one_rank(tiny_model_path):
     [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
     ids=["tensor_parallel=2", "pipeline_parallel=2", "data_parallel=2"],
 )
-def test_two_ranks_match_one(ray_local, tiny_model_path, one_rank, layout):
+async def test_two_ranks_match_one(ray_local, tiny_model_path, one_rank, layout):
     tp, pp, dp = layout
     cfg = load(
         [
@@ -72,3 +75,19 @@ def test_two_ranks_match_one(ray_local, tiny_model_path, one_rank, layout):
         for name, tensor in want_weights.items():
             assert torch.allclose(weights[name], tensor, atol=0.01 * TRAIN["lr"]), name
         assert group.step == 2
+        # TransferMesh streams the ranks' weights by HF name to an engine over each CPU route:
+        # rank 0 packs the buckets, the other rank gathers each parameter with it (TP
+        # all-gather, or its pipeline stage sends it); small buckets, so there are many
+        engine = make_engine(EngineConfig(), tiny_model_path)
+        try:
+            for version, route in enumerate(["shm", "broadcast", "disk"], start=1):
+                mesh = TransferMesh(group, [engine], TransferConfig(route=route, bucket_mb=0.1))
+                report = await mesh.push(version)
+                await mesh.close()
+                assert not report.failed and engine.weight_version == version, report.failed
+                assert len(mesh._buckets) > 3
+                got = engine.model.state_dict()
+                for name, tensor in weights.items():
+                    assert torch.equal(got[name], tensor), (route, name)
+        finally:
+            await engine.close()

@@ -31,6 +31,7 @@ OPTIONAL = {
         None,
         "trainer/backends/megatron/model.py: GPU fused layers when present",
     ),
+    "sglang": ("sglang", "trainer/transfer/cuda_ipc.py: the CUDA IPC route, on a GPU node only"),
     "wandb": (None, "trainer/metrics.py: only with logging.wandb=true, which says to install it"),
 }
 """Imported by some module but not needed by the main job: its extra (if any), where and why."""

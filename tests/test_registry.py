@@ -10,12 +10,13 @@ import torch
 
 from gateway.config import ConfigError
 from gateway.engines import ENGINES, EngineConfig, make_engine
+from gateway.engines.placement import Placement
 from gateway.registry import Registry
 from sandbox import SANDBOXES, SandboxConfig
 from trainer.agents import AGENTS
 from trainer.backends import TRAIN_BACKENDS
 from trainer.config import load
-from trainer.weights import PUSH_ROUTES, InProcessPush, WeightPush
+from trainer.transfer import ROUTES, TransferConfig, TransferMesh
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def test_a_recipe_with_an_unknown_kind_fails_when_loaded(override, message):
 
 
 @pytest.mark.parametrize(
-    "registry", [ENGINES, TRAIN_BACKENDS, PUSH_ROUTES, SANDBOXES, AGENTS], ids=lambda r: r.key
+    "registry", [ENGINES, TRAIN_BACKENDS, ROUTES, SANDBOXES, AGENTS], ids=lambda r: r.key
 )
 def test_every_registered_entry_point_resolves(registry):
     assert len(registry.kinds()) >= 2  # each part has (at least) two kinds
@@ -155,14 +156,15 @@ def test_a_new_engine_kind_is_one_module_and_one_line(tiny_model_path, kinds_mod
 
 
 class Receiver:
-    """A receiver that records what happens to it, and says which routes it accepts (without
-    `weight_routes`, like most engines, it takes the default: `in_process`)."""
+    """A receiver in this process that records what happens to it; `routes` are the transports
+    it accepts (without them, like most engines, it has no `placement`: an engine in this
+    process, which takes every route that runs code next to it)."""
 
     def __init__(self, *routes: str) -> None:
         if routes:
-            self.weight_routes = routes
+            self.placement = Placement.here(transports=routes)
         self.calls: list[str] = []
-        self.version = 0
+        self.weight_version = 0
 
     async def pause(self, mode: str) -> None:
         self.calls.append(f"pause:{mode}")
@@ -171,21 +173,15 @@ class Receiver:
         self.calls.append("resume")
 
     async def update_weights(self, state, version: int) -> None:
-        self.calls.append(f"in_process:{version}")
-        self.version = version
+        self.calls.append(f"update:{version}:{sorted(state)}")
+        self.weight_version = version
+
+    async def health(self) -> bool:
+        return True
 
 
 COPY_ROUTE = '''
-import time
-
-
-class Copied:
-    def __init__(self, tensors):
-        self.tensors = {k: v.clone() for k, v in tensors.items()}
-        self.created = time.perf_counter()
-
-    async def ready(self):
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+from trainer.transfer import Delivery, apply_weights
 
 
 class CopyRoute:
@@ -193,43 +189,58 @@ class CopyRoute:
 
     staged = 0
 
-    async def stage(self, state_dict):
-        CopyRoute.staged += 1
-        return Copied(state_dict)
+    def __init__(self, cfg):
+        self.cfg = cfg
 
-    async def apply(self, engine, staged, version):
-        engine.calls.append(f"copy:{version}")
-        engine.version = version
+    def reaches(self, sender, receiver):
+        return "a copy, for the test" if sender.same_node(receiver) else ""
+
+    async def push(self, push, receivers):
+        CopyRoute.staged += 1
+        names = [s.name for b in push.buckets for s in b.specs]
+        copy = {n: t.clone() for n, t in push.sender.local.hf_tensors(names)}
+        out = {}
+        for r in receivers:
+            stall = await r.run(apply_weights, copy, push.version, push.mode)
+            out[r.name] = Delivery(True, stall)
+        return out
+
+    async def close(self):
+        pass
 '''
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort_resubmit"])
 async def test_weight_routes_are_planned_per_receiver(kinds_module, register, mode):
     module = kinds_module("kinds_route", COPY_ROUTE)
-    register(PUSH_ROUTES, "copy", f"{module}:CopyRoute")
-    plain, copying, unknown_first = Receiver(), Receiver("copy"), Receiver("shm", "in_process")
-    push = WeightPush([plain, copying, unknown_first], mode)
-    assert [route for _, route in push.plan] == ["in_process", "copy", "in_process"]
-    state = {"w": torch.ones(4), "tied": torch.zeros(2)}
-    report = await push.push(state, 3)
+    register(ROUTES, "copy", f"{module}:CopyRoute", order=1.5)
+    plain, copying, shm_first = Receiver(), Receiver("copy"), Receiver("shm", "in_process")
+    mesh = TransferMesh(
+        {"w": torch.ones(4), "tied": torch.zeros(2)}, [plain, copying, shm_first], mode=mode
+    )
+    # in_process comes before shm in the planner's order, whatever the receiver lists first
+    assert [route for _, route, _ in mesh.plan.entries] == ["in_process", "copy", "in_process"]
+    assert "a copy, for the test" in mesh.plan.describe()
+    report = await mesh.push(3)
     assert sys.modules[module].CopyRoute.staged == 1  # once per push, not per receiver
-    assert report.receivers == 3 and report.bytes == 24 and report.seconds > 0
-    assert all(r.version == 3 for r in (plain, copying, unknown_first))
-    around = ["pause:retract"], ["resume"]
-    if mode == "continue":
-        around = [], []
-    assert plain.calls == [*around[0], "in_process:3", *around[1]]
-    assert copying.calls == [*around[0], "copy:3", *around[1]]
-    with pytest.raises(ValueError, match="no registered weight route reaches"):
-        WeightPush([Receiver("shm")])
+    assert report.receivers == report.delivered == 3 and report.bytes == 24
+    assert [r.route for r in report.routes] == ["in_process", "copy"]
+    assert all(r.weight_version == 3 for r in (plain, copying, shm_first))
+    around = (["pause:retract"], ["resume"]) if mode == "abort_resubmit" else ([], [])
+    for r in (plain, copying):
+        assert r.calls == [*around[0], "update:3:['tied', 'w']", *around[1]]
+    with pytest.raises(ValueError, match="no registered route reaches engine0"):
+        TransferMesh({"w": torch.ones(1)}, [Receiver("carrier_pigeon")])
 
 
 async def test_a_forced_route_reaches_every_engine_the_same_way():
-    receivers = [Receiver("copy"), Receiver()]
-    push = InProcessPush(receivers, "abort_resubmit")
-    assert [route for _, route in push.plan] == ["in_process", "in_process"]
-    await push.push({"w": torch.ones(2)}, 1)
-    assert all(r.calls == ["pause:retract", "in_process:1", "resume"] for r in receivers)
+    receivers = [Receiver("shm", "in_process"), Receiver()]
+    mesh = TransferMesh({"w": torch.ones(2)}, receivers, TransferConfig(route="in_process"))
+    assert [route for _, route, _ in mesh.plan.entries] == ["in_process", "in_process"]
+    await mesh.push(1)
+    assert all(r.calls == ["update:1:['w']"] for r in receivers)
+    with pytest.raises(ValueError, match="transfer.route=disk reaches"):
+        TransferMesh({"w": torch.ones(2)}, [Receiver("in_process")], TransferConfig(route="disk"))
 
 
 def test_sandbox_kinds_check_before_a_run(monkeypatch):

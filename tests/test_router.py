@@ -207,10 +207,15 @@ async def test_control_fans_out_and_weight_version_is_the_minimum(urls):
         assert all(info["paused"] for info in infos)
         await router.resume()
         assert (await router.generate(PROMPT, SHORT)).output_ids
-        # Versions differ when engines were updated one by one (TransferMesh routes do that).
+        # Versions differ when engines were updated one by one (TransferMesh routes do that):
+        # those behind the newest leave the rotation, new sessions go to the updated one.
         v = router.weight_version
+        await router.engines[0].begin_weight_update()
         await router.engines[0].update_weights_from_tensor(["eA=="], v + 5)
-        assert router.weight_version == v
+        await router.engines[0].end_weight_update()
+        assert router.weight_version == v + 5
+        out = await router.generate(PROMPT, SHORT, session_id="newest")
+        assert router.engine_for("newest") == 0 and out.output_versions == [v + 5] * 4
         import torch
 
         await router.update_weights({"w": torch.ones(2)}, v + 10)

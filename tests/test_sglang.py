@@ -294,17 +294,68 @@ async def test_update_weights_over_disk_sets_version(engine):
 
 
 @fake_only
-async def test_tensor_and_distributed_weight_routes(engine):
+async def test_tensor_and_distributed_updates_need_a_weight_update_session(engine):
+    # SGLang refuses them outside /begin_weight_update ... /end_weight_update.
+    with pytest.raises(EngineError, match="requires an open begin_weight_update session"):
+        await engine.update_weights_from_tensor(["c2VyaWFsaXplZA=="], 50)
+    with pytest.raises(EngineError, match="requires an open begin_weight_update session"):
+        await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 50)
+    with pytest.raises(EngineError, match="without begin_weight_update"):
+        await engine.end_weight_update()
+    before = engine.weight_version
+    await engine.begin_weight_update()
+    with pytest.raises(EngineError, match="already open"):
+        await engine.begin_weight_update()
     with pytest.raises(EngineError, match="not in process groups"):
         await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 50)
     await engine.init_weights_update_group("127.0.0.1", 29500, 1, 2)
-    await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 51)
+    # A bucket without a version leaves the server's version alone; the last one sets it.
+    kw = {"load_format": "flattened_bucket"}
+    await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], None, **kw)
+    assert engine.weight_version == before
+    assert (await engine.get_model_info())["weight_version"] == str(before or "default")
+    await engine.update_weights_from_distributed(["w"], ["float32"], [[2]], 51, **kw)
     assert engine.weight_version == 51
     await engine.destroy_weights_update_group()
-    await engine.update_weights_from_tensor(["c2VyaWFsaXplZA=="], 52)
+    with pytest.raises(ValueError, match="base64"):
+        await engine.update_weights_from_tensor(["not base64!"], 52, **kw)
+    await engine.update_weights_from_tensor(["c2VyaWFsaXplZA=="], 52, **kw)
     assert engine.weight_version == 52
+    await engine.end_weight_update()
     out = await engine.generate(PROMPT, greedy(2, ignore_eos=True))
     assert out.output_versions == [52, 52]
+
+
+@fake_only
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_tokens_carry_the_version_that_sampled_them(streamed):
+    """An update while a request runs (paused in place, as TransferMesh does): the tokens
+    before it carry the old version, those after it the new one, from SGLang's spans."""
+    n = 300  # 1.5 s at 200 tokens/s: still running when the update comes
+    params = greedy(n, ignore_eos=True)
+    with serve_fake("--tokens-per-s", "200") as url:
+        engine = await SGLangEngine(url).connect()
+        if streamed:
+            stream = engine.stream(PROMPT, params)
+            first = await anext(stream)
+            rest = asyncio.ensure_future(collect_chunks(stream))
+        else:
+            done = asyncio.ensure_future(engine.generate(PROMPT, params))
+            await asyncio.sleep(0.3)
+        await engine.pause("in_place")
+        await engine.begin_weight_update()
+        await engine.update_weights_from_tensor(["c2VyaWFsaXplZA=="], 1)
+        await engine.end_weight_update()
+        await engine.resume()
+        if streamed:
+            versions = first.versions + [v for c in await rest for v in c.versions]
+        else:
+            versions = (await done).output_versions
+        await engine.close()
+    assert len(versions) == n
+    switch = versions.index(1)
+    assert 0 < switch < n
+    assert versions == [0] * switch + [1] * (n - switch)
 
 
 async def test_sampling_params_reach_the_server(engine):

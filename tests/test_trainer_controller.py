@@ -18,7 +18,7 @@ from trainer.backends.torch_backend import TorchBackend
 from trainer.config import TrainerConfig, load
 from trainer.controller import Controller
 from trainer.metrics import read_metrics
-from trainer.weights import InProcessPush, PushReport
+from trainer.transfer import PushReport, TransferMesh
 
 REQUIRED = [
     "step", "time_s", "reward/mean", "response/len_mean", "throughput/tokens_per_s",
@@ -68,10 +68,10 @@ class ToyPush:
         self.source = source
         self.versions: list[int] = []
 
-    async def push(self, state_dict, version: int) -> PushReport:
+    async def push(self, version: int) -> PushReport:
         self.versions.append(version)
         self.source.version = version
-        return PushReport(version=version, bytes=1, seconds=1e-6, receivers=1)
+        return PushReport(version=version, bytes=1, seconds=1e-6)
 
 
 def config(tmp_path, *overrides: str) -> TrainerConfig:
@@ -226,10 +226,11 @@ class EngineSource:
 
 async def test_end_to_end_with_the_embedded_engine(tmp_path, tiny_model_path):
     cfg = config(tmp_path, "rollout.max_staleness=1")
+    backend = backend_for(cfg, tiny_model_path)
     async with LocalEngine(tiny_model_path, max_batch_size=8) as engine:
         ctl = Controller(
-            cfg, backend_for(cfg, tiny_model_path), EngineSource(engine, cfg.rollout.max_tokens),
-            InProcessPush([engine], cfg.rollout.partial_rollout),
+            cfg, backend, EngineSource(engine, cfg.rollout.max_tokens),
+            TransferMesh(backend, [engine], mode=cfg.rollout.partial_rollout),
         )  # fmt: skip
         await ctl.run()
         assert engine.weight_version == 2

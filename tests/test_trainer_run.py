@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import ray as ray_lib
 
 from trainer.config import load
 from trainer.run import train
@@ -22,10 +23,20 @@ REQUIRED = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ray", [True, False])
-async def test_two_step_run_writes_a_complete_run_dir(tmp_path, ray):
-    cfg = load(["recipe=tiny", f"ray.enabled={ray}"])
-    summary = await train(cfg, run_dir=tmp_path)
+@pytest.mark.parametrize("ray,replicas", [(True, 1), (False, 1), (True, 2)])
+async def test_two_step_run_writes_a_complete_run_dir(tmp_path, capsys, ray, replicas):
+    more = ["ray.num_cpus=4"] if replicas > 1 else []
+    cfg = load(["recipe=tiny", f"ray.enabled={ray}", f"engine.replicas={replicas}", *more])
+    if ray:  # train() starts a Ray of ray.num_cpus only if none runs in this process yet
+        ray_lib.shutdown()
+    try:
+        summary = await train(cfg, run_dir=tmp_path)
+    finally:
+        ray_lib.shutdown()
+    plan = capsys.readouterr().out
+    route = "shm" if ray else "in_process"
+    plan = plan[plan.index("TransferMesh: weights from") :]
+    assert plan.count(f" {route} ") == replicas
     assert summary.final_model == tmp_path / "final"
     assert (tmp_path / "final" / "config.json").is_file()
     assert (tmp_path / "final" / "tokenizer.json").is_file()
@@ -40,6 +51,10 @@ async def test_two_step_run_writes_a_complete_run_dir(tmp_path, ray):
         # engine and trainer compute the same log-probs of the same tokens (fp32)
         assert row["mismatch/logprob_abs_diff"] < 1e-3
         assert row["staleness/max"] <= cfg.rollout.max_staleness
+        # every engine got every version, over the planned route
+        assert row[f"weights/{route}/gb_per_s"] > 0 and row["weights/failed"] == 0
+        assert all(row[f"weights/version/engine{i}"] == row["step"] for i in range(replicas))
+        assert all(f"weights/stall_s/engine{i}" in row for i in range(replicas))
     assert {p.name for p in (tmp_path / "plots").glob("*.png")} >= {"reward.png", "timeline.png"}
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["text"] for s in samples)

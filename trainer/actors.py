@@ -12,20 +12,11 @@ cluster (`init_ray(address=...)`). Callers never see Ray:
   chunk and every reply, and `load` counts this client's requests in flight (a second client of
   the same actor is not counted).
 - `RayBackend` implements the `TrainBackend` protocol (sync methods: the controller calls them
-  from a thread) by calling a `BackendActor`. Its `state_dict()` does not copy the weights into
-  the controller: it returns a `RemoteState`, a Mapping that holds a reference to the weights
-  the backend actor wrote once into Ray's object store (and only pulls them if someone indexes
-  it).
-- `RayObjectStoreRoute` is the `ray_object_store` weight route (trainer/weights.py), the one a
-  `RayEngine` accepts first: given a `RemoteState` it hands the object reference to every engine
-  actor, which read the weights straight from the object store (shared memory on one node;
-  Ray's object transfer across nodes); given plain tensors it puts them into the store once
-  first. The controller's `push.push(backend.state_dict(), version)` is therefore the same line
-  for in-process and Ray engines.
-
-Weights travel as numpy arrays (bf16 as int16 bit patterns), which Ray stores out-of-band and
-receivers map without a copy: the state dict is serialized once per push, not once per engine,
-and tied weights (embeddings / lm_head) travel once.
+  from a thread) by calling a `BackendActor`.
+- Both are TransferMesh endpoints (trainer/transfer): each knows its `placement` (Ray node,
+  process, device) and `run(fn, *args)` runs a route's half in its actor, next to the engine
+  (`fn(engine, *args)`) or next to the weights (`fn(weight_source, *args)`), so weights go from
+  the backend actor to the engine actors without passing through the controller.
 """
 
 from __future__ import annotations
@@ -33,21 +24,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
-import warnings
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from gateway.engines import EngineConfig, make_engine
 from gateway.engines.base import Chunk, EngineError, Generation, PauseMode, SamplingParams
-from trainer.weights import WeightPush
+from gateway.engines.placement import Placement
+from trainer.transfer.endpoints import ScriptedReads, follow_reads, source_device, weight_source
 
 log = logging.getLogger(__name__)
 
@@ -72,47 +61,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, logging_level=logging.WARNING)
 
 
-# ---------------------------------------------------------------------- weights in the store
-
-
-def pack_state(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Tensors -> numpy arrays Ray stores zero-copy; aliases (tied weights) travel once."""
-    arrays: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    nbytes = 0
-    for name, tensor in state.items():
-        t = tensor.detach().cpu()
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        t = t.contiguous()
-        dtypes[name] = str(t.dtype).removeprefix("torch.")
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bit pattern
-            t = t.view(torch.int16)
-        arrays[name] = t.numpy()
-        nbytes += t.numel() * t.element_size()
-    return {"arrays": arrays, "dtypes": dtypes, "aliases": aliases, "nbytes": nbytes}
-
-
-def unpack_state(packed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The inverse of `pack_state`: tensors viewing the (read-only) arrays, no copy."""
-    out: dict[str, torch.Tensor] = {}
-    with warnings.catch_warnings():
-        # Arrays from the object store are read-only; receivers only ever copy from them.
-        warnings.simplefilter("ignore", UserWarning)
-        for name, array in packed["arrays"].items():
-            t = torch.from_numpy(array)
-            dtype = getattr(torch, packed["dtypes"][name])
-            out[name] = t.view(dtype) if dtype != t.dtype else t
-    for name, source in packed["aliases"].items():
-        out[name] = out[source]
-    return out
-
-
 def _cause(exc: RayTaskError) -> BaseException:
     """The exception the remote code raised (Ray's wrapper adds a traceback to the message)."""
     return exc.cause if isinstance(exc.cause, Exception) else exc
@@ -123,59 +71,6 @@ def _unwrap(get: Any, ref: ray.ObjectRef) -> Any:
         return get(ref)
     except RayTaskError as exc:
         raise _cause(exc) from None
-
-
-class RemoteState(Mapping[str, torch.Tensor]):
-    """A state dict living in Ray's object store (written by `pack_state`).
-
-    Weight pushes pass `ref` to engine actors without touching the data; indexing or iterating
-    pulls it into this process once (the fallback for receivers that are not Ray actors)."""
-
-    def __init__(
-        self, ref: ray.ObjectRef, nbytes: int | ray.ObjectRef, created: float | None = None
-    ) -> None:
-        self.ref = ref
-        self._nbytes = nbytes  # an ObjectRef while the producer is still writing the weights
-        self.created = time.perf_counter() if created is None else created
-        """When the producer was asked for it (push timings start here)."""
-        self._local: dict[str, torch.Tensor] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weights (tied weights once); blocks until the producer has written them."""
-        if isinstance(self._nbytes, ray.ObjectRef):
-            self._nbytes = _unwrap(ray.get, self._nbytes)
-        return self._nbytes
-
-    async def ready(self) -> int:
-        """Wait, without pulling the weights here, until they are in the store; the bytes."""
-        if isinstance(self._nbytes, ray.ObjectRef):
-            try:
-                self._nbytes = await self._nbytes
-            except RayTaskError as exc:
-                raise _cause(exc) from None
-        return self._nbytes
-
-    @classmethod
-    def put(cls, state: Mapping[str, torch.Tensor]) -> RemoteState:
-        """Copy local tensors into the object store once."""
-        start = time.perf_counter()
-        packed = pack_state(state)
-        return cls(ray.put(packed), packed["nbytes"], start)
-
-    def _pull(self) -> dict[str, torch.Tensor]:
-        if self._local is None:
-            self._local = unpack_state(_unwrap(ray.get, self.ref))
-        return self._local
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._pull()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._pull())
-
-    def __len__(self) -> int:
-        return len(self._pull())
 
 
 # ---------------------------------------------------------------------------------- engines
@@ -196,10 +91,14 @@ class EngineActor:
         except Exception as exc:  # noqa: BLE001 - re-raised by info()
             self.error = exc
 
-    async def info(self) -> dict[str, int]:
+    async def info(self) -> dict[str, Any]:
         if self.error is not None:
             raise self.error
-        return {"max_context": self.engine.max_context, "weight_version": self._version()}
+        return {
+            "max_context": self.engine.max_context,
+            "weight_version": self._version(),
+            "placement": Placement.here(),
+        }
 
     def _version(self) -> int:
         return self.engine.weight_version
@@ -241,11 +140,13 @@ class EngineActor:
         await self.engine.resume()
         return self._version()
 
-    async def update_weights(self, packed: dict[str, Any], version: int) -> float:
-        """`packed` arrives resolved from the object store (a top-level ObjectRef argument)."""
-        start = time.perf_counter()
-        await self.engine.update_weights(unpack_state(packed), version)
-        return time.perf_counter() - start
+    async def update_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        await self.engine.update_weights(state, version)
+        return self._version()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+        """`await fn(engine, *args)` here (a TransferMesh route's receiving half)."""
+        return await fn(self.engine, *args), self._version()
 
     async def health(self) -> tuple[bool, int]:
         return await self.engine.health(), self._version()
@@ -269,10 +170,7 @@ def _raise_from(exc: Exception, what: str) -> None:
 class RayEngine:
     """The Engine protocol over an `EngineActor` handle; see the module docstring."""
 
-    weight_routes = ("ray_object_store", "in_process")
-    """Weight routes this receiver accepts, best first (trainer/weights.py)."""
-
-    def __init__(self, handle: ray.actor.ActorHandle, info: Mapping[str, int] | None = None):
+    def __init__(self, handle: ray.actor.ActorHandle, info: Mapping[str, Any] | None = None):
         self.handle = handle
         if info is None:
             try:
@@ -281,6 +179,8 @@ class RayEngine:
                 _raise_from(exc, "info")
         self._max_context = int(info["max_context"])
         self._version = int(info["weight_version"])
+        self.placement: Placement = info["placement"]
+        """Where the engine runs (a TransferMesh receiver)."""
         self._in_flight = 0
 
     def __repr__(self) -> str:
@@ -388,21 +288,17 @@ class RayEngine:
         self._seen(await self._call("resume", self.handle.resume.remote()))
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Plain tensors are put into the object store once; a `RemoteState` is passed on as
-        its reference, so the weights never go through this process."""
+        """The tensors travel through Ray to the actor (TransferMesh's routes are faster)."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an integer, got {version!r}")
-        if not isinstance(state, RemoteState):
-            state = await asyncio.to_thread(RemoteState.put, state)  # a memcpy: off the loop
-        await self.update_from(state, version)
+        ref = self.handle.update_weights.remote(dict(state), version)
+        self._version = await self._call("update_weights", ref)  # exactly: may go back
 
-    async def update_from(self, state: RemoteState, version: int) -> float:
-        """Apply weights already in the object store; returns the actor's apply seconds."""
-        seconds = await self._call(
-            "update_weights", self.handle.update_weights.remote(state.ref, version)
-        )
-        self._version = version  # exactly: a resumed run may push an older version
-        return seconds
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`await fn(engine, *args)` in the actor; the engine's version is taken exactly from
+        the reply (a resumed run may push an older version)."""
+        result, self._version = await self._call("run", self.handle.run.remote(fn, *args))
+        return result
 
     async def health(self) -> bool:
         try:
@@ -480,11 +376,35 @@ class BackendActor:
     def logprobs(self, samples: list) -> list[list[float]]:
         return self.backend.logprobs(samples)
 
-    @ray.method(num_returns=2)
-    def state_dict(self) -> tuple[dict[str, Any], int]:
-        """The packed weights (stored once by Ray as this task's return) and their byte count."""
-        packed = pack_state(self.backend.state_dict())
-        return packed, packed["nbytes"]
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.backend.state_dict()
+
+    def placement(self) -> Placement:
+        return Placement.here(source_device(weight_source(self.backend)), ())
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        reads: Sequence[Sequence[str]] | None = None,
+        lead: bool = True,
+    ) -> Any:
+        """`fn(weight_source, *args)` here (a TransferMesh route's sending half).
+
+        `reads`: the names `fn` asks `hf_tensors` for, call by call, when the backend's ranks
+        gather together (trainer/cluster.py's RankGroup). The lead rank runs `fn` and makes
+        exactly those calls even if `fn` fails half way; the others (`lead=False`) only make
+        the calls, so no rank waits in a collective that another skipped."""
+        source = weight_source(self.backend)
+        if reads is None:
+            return fn(source, *args)
+        if not lead:
+            return follow_reads(source, reads)
+        scripted = ScriptedReads(source, reads)
+        try:
+            return fn(scripted, *args)
+        finally:
+            scripted.finish()
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self.backend.save_checkpoint(path, extra)
@@ -503,6 +423,8 @@ class RayBackend:
     def __init__(self, handle: ray.actor.ActorHandle, step: int | None = None) -> None:
         self.handle = handle
         self._step = self._get(handle.step.remote()) if step is None else step
+        self.placement: Placement = self._get(handle.placement.remote())
+        """Where the weights are (the TransferMesh sender)."""
 
     def _get(self, ref: ray.ObjectRef) -> Any:
         return _unwrap(ray.get, ref)
@@ -518,12 +440,18 @@ class RayBackend:
     def logprobs(self, samples: list) -> list[list[float]]:
         return self._get(self.handle.logprobs.remote(samples))
 
-    def state_dict(self) -> RemoteState:  # type: ignore[override]
-        """The weights as a `RemoteState` (in the object store, not in this process). Returns
-        at once (safe on an event loop); the backend actor writes them in the background and
-        calls made after this one see them taken before the next train step."""
-        packed_ref, nbytes_ref = self.handle.state_dict.remote()
-        return RemoteState(packed_ref, nbytes_ref)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights in this process (weight pushes use `run` instead)."""
+        return self._get(self.handle.state_dict.remote())
+
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, reads: Sequence[Sequence[str]] | None = None
+    ) -> Any:
+        """`fn(weight_source, *args)` in the backend actor (`reads`: see `BackendActor.run`)."""
+        try:
+            return await self.handle.run.remote(fn, *args, reads=reads)
+        except RayTaskError as exc:
+            raise _cause(exc) from None
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self._get(self.handle.save_checkpoint.remote(Path(path), extra))
@@ -550,46 +478,12 @@ def spawn_backend(cfg: Any, *, num_cpus: float = 1) -> RayBackend:
         raise
 
 
-# ------------------------------------------------------------------------------ weight push
-
-
-class RayObjectStoreRoute:
-    """The `ray_object_store` weight route (see the module docstring)."""
-
-    async def stage(self, state_dict: Mapping[str, torch.Tensor]) -> RemoteState:
-        """Timing starts when the weights were asked for (RayBackend.state_dict) or put."""
-        if isinstance(state_dict, RemoteState):
-            return state_dict
-        return await asyncio.to_thread(RemoteState.put, state_dict)
-
-    async def apply(self, engine: RayEngine, staged: RemoteState, version: int) -> None:
-        await engine.update_from(staged, version)
-
-
-class RayObjectStorePush(WeightPush):
-    """Every engine over the `ray_object_store` route; they must all be `RayEngine`s."""
-
-    def __init__(self, engines: Sequence[RayEngine], mode: str = "continue") -> None:
-        for engine in engines:
-            if not isinstance(engine, RayEngine):
-                raise ValueError(
-                    f"RayObjectStorePush needs RayEngines (spawn_engine), got {type(engine)}; "
-                    "use InProcessPush for engines in this process"
-                )
-        super().__init__(engines, mode, route="ray_object_store")
-
-
 __all__ = [
     "BackendActor",
     "EngineActor",
     "RayBackend",
     "RayEngine",
-    "RayObjectStorePush",
-    "RayObjectStoreRoute",
-    "RemoteState",
     "init_ray",
-    "pack_state",
     "spawn_backend",
     "spawn_engine",
-    "unpack_state",
 ]

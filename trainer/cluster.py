@@ -23,17 +23,21 @@ to one node and its engines to another).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from trainer.actors import BackendActor, RayBackend, RayEngine, RemoteState, init_ray, spawn_engine
+from gateway.engines import EngineConfig
+from trainer.actors import BackendActor, RayBackend, RayEngine, _cause, init_ray, spawn_engine
 from trainer.config import RayConfig, TrainerConfig
 
 
@@ -78,7 +82,7 @@ def node_of(handle: ray.actor.ActorHandle) -> str:
     return ray.get(handle.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
 
 
-def describe(engine: Any, backend: Any) -> str:
+def describe(engines: Sequence[Any], backend: Any) -> str:
     """Where each actor of a run is (asked of the actors themselves): one line per actor, with
     its Ray node id and address. Engines and backends in this process are `(this process)`."""
     address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
@@ -93,8 +97,9 @@ def describe(engine: Any, backend: Any) -> str:
         lines.append(f"  trainer rank {i}: {where(rank)}")
     if ranks is None:
         lines.append("  trainer: (this process)")
-    handle = getattr(engine, "handle", None)
-    lines.append(f"  engine: {where(handle) if handle is not None else '(this process)'}")
+    for i, engine in enumerate(engines):
+        handle = getattr(engine, "handle", None)
+        lines.append(f"  engine{i}: {where(handle) if handle is not None else '(this process)'}")
     return "\n".join(lines)
 
 
@@ -117,14 +122,11 @@ class RankGroup(RayBackend):
         self.ranks = list(ranks)
         steps = _get_all([r.step.remote() for r in self.ranks])
         super().__init__(self.ranks[0], steps[0])
-        self._background: list[ray.ObjectRef] = []
 
     def _call(self, method: str, *args: Any) -> Any:
         """`method(*args)` on every rank; rank 0's result. Arguments travel once."""
         args = tuple(ray.put(a) for a in args)
-        refs = self._background + [getattr(r, method).remote(*args) for r in self.ranks]
-        self._background = []
-        return _get_all(refs)[-len(self.ranks)]
+        return _get_all([getattr(r, method).remote(*args) for r in self.ranks])[0]
 
     def train_step(self, samples: list) -> dict[str, float]:
         metrics, self._step = self._call("train_step", samples)
@@ -133,14 +135,23 @@ class RankGroup(RayBackend):
     def logprobs(self, samples: list) -> list[list[float]]:
         return self._call("logprobs", samples)
 
-    def state_dict(self) -> RemoteState:  # type: ignore[override]
-        """Every rank takes part in gathering the weights; rank 0's land in the object store
-        (see RayBackend.state_dict). The others' (empty) results are checked at the next call."""
-        if len(self.ranks) == 1:
-            return super().state_dict()
-        first, *rest = [r.state_dict.remote() for r in self.ranks]
-        self._background += [ref for pair in rest for ref in pair]
-        return RemoteState(*first)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every rank takes part in gathering the weights; rank 0's, copied here."""
+        return self._call("state_dict")
+
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, reads: Sequence[Sequence[str]] | None = None
+    ) -> Any:
+        """`fn(weight_source, *args)` on rank 0 (a TransferMesh route's sending half); the other
+        ranks make the `hf_tensors` calls `reads` announces alongside, since gathering a
+        sharded parameter is collective (see `BackendActor.run`)."""
+        if reads is None or len(self.ranks) == 1:
+            return await super().run(fn, *args, reads=reads)
+        refs = [r.run.remote(fn, *args, reads=reads, lead=i == 0) for i, r in enumerate(self.ranks)]
+        try:
+            return (await asyncio.gather(*refs))[0]
+        except RayTaskError as exc:
+            raise _cause(exc) from None
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self._call("save_checkpoint", Path(path), extra)
@@ -186,14 +197,17 @@ def placed_trainer(cfg: TrainerConfig) -> Iterator[RayBackend]:
 
 
 @contextlib.asynccontextmanager
-async def placed_engine(cfg: TrainerConfig, model_path: str | Path) -> AsyncIterator[RayEngine]:
-    """The engine as a Ray actor in a placement-group bundle of its own; closed on exit."""
+async def placed_engine(
+    cfg: TrainerConfig, engine: EngineConfig, model_path: str | Path
+) -> AsyncIterator[RayEngine]:
+    """One engine (`engine`: one of `cfg.engine`'s replicas) as a Ray actor in a
+    placement-group bundle of its own; closed on exit."""
     ray_cfg = cfg.ray
     bundle = _bundle(ray_cfg.engine_cpus, ray_cfg.engine_gpus, ray_cfg.engine_resources)
     pg = _reserve([bundle], "PACK", "the engine")
     try:
-        engine = spawn_engine(
-            cfg.engine,
+        actor = spawn_engine(
+            engine,
             model_path,
             num_cpus=ray_cfg.engine_cpus,
             options={
@@ -203,8 +217,8 @@ async def placed_engine(cfg: TrainerConfig, model_path: str | Path) -> AsyncIter
             },
         )
         try:
-            yield engine
+            yield actor
         finally:
-            await engine.close()
+            await actor.close()
     finally:
         remove_placement_group(pg)

@@ -22,6 +22,7 @@ from gateway.engines import EngineConfig
 from sandbox import SandboxConfig
 from trainer.agents import AGENTS
 from trainer.backends import TRAIN_BACKENDS
+from trainer.transfer import TransferConfig
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -255,8 +256,8 @@ class LoggingConfig:
 @dataclass
 class RayConfig:
     enabled: bool = True
-    """Run the train backend's ranks and the local engine as Ray actors (separate processes,
-    placed by trainer/cluster.py; weights travel through Ray's object store). False keeps
+    """Run the train backend's ranks and the local engines as Ray actors (separate processes,
+    placed by trainer/cluster.py; weights travel over TransferMesh's routes). False keeps
     everything in this process (one rank)."""
     address: str | None = None
     """Ray cluster to join, e.g. `10.0.0.1:6379` or `auto` (every node needs this package and
@@ -264,15 +265,15 @@ class RayConfig:
     num_cpus: int = 2
     """CPUs of a local Ray."""
     engine_cpus: float = 1.0
-    """CPUs reserved for the engine actor (it runs that many torch threads)."""
+    """CPUs reserved for each engine actor (it runs that many torch threads)."""
     trainer_cpus: float = 1.0
     """CPUs reserved for each train-backend rank (it runs that many torch threads)."""
     engine_gpus: float = 0.0
-    """GPUs reserved for the engine actor (the local engine on a GPU)."""
+    """GPUs reserved for each engine actor (the local engine on a GPU)."""
     trainer_gpus: float = 0.0
     """GPUs reserved for each train-backend rank (1 for train.kind=megatron on GPUs)."""
     engine_resources: dict[str, float] = field(default_factory=dict)
-    """Custom Ray resources the engine actor needs, e.g. {rollout_node: 1} to put it on a node
+    """Custom Ray resources each engine actor needs, e.g. {rollout_node: 1} to put it on a node
     started with `ray start --resources='{"rollout_node": 1}'`."""
     trainer_resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each train-backend rank needs (pins the ranks to the nodes that
@@ -310,7 +311,9 @@ class TrainerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where metrics go besides metrics.jsonl."""
     ray: RayConfig = field(default_factory=RayConfig)
-    """Where the engine and the train backend run."""
+    """Where the engines and the train backend run."""
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """How each step's weights reach the engines (TransferMesh)."""
 
 
 def load(argv: list[str]) -> TrainerConfig:

@@ -1,7 +1,7 @@
 """The controller: one process, one loop, for synchronous and asynchronous RL alike.
 
     admission ──────────► rollouts ──────────► batcher ──────────► train step ──► weight push
-    (_admit)              (_sample, N per       (GroupBatcher:      (backend,       (WeightPush,
+    (_admit)              (_sample, N per       (GroupBatcher:      (backend,       (TransferMesh,
     waits: the staleness   group, concurrent)   group complete?     in a thread)    every engine)
     window opens           waits: engines       filter, queue)      waits: a full   then version += 1
     (gate.version moves)                                            batch of groups and the window moves
@@ -54,7 +54,7 @@ from trainer.backends import TrainBackend, train_samples
 from trainer.buffer import Batch, GroupBatcher, PromptStream, StalenessGate
 from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLogger, PhaseTimer, SamplesLog, Summary, plot_run
-from trainer.weights import WeightPush
+from trainer.transfer import TransferMesh
 
 log = logging.getLogger("loongsage.controller")
 
@@ -102,7 +102,7 @@ class Controller:
         cfg: TrainerConfig,
         backend: TrainBackend,
         source: RolloutSource,
-        push: WeightPush,
+        push: TransferMesh,
         *,
         prompts: PromptStream | None = None,
         evaluator: Evaluator | None = None,
@@ -170,7 +170,7 @@ class Controller:
         with timer("time/train_s"):  # the policy loss and the optimizer step, in the backend
             train_metrics = await asyncio.to_thread(self.backend.train_step, samples)
         with timer("time/weight_sync_s"):
-            report = await self.push.push(self.backend.state_dict(), self.version + 1)
+            report = await self.push.push(self.version + 1)
         await self._set_version(self.version + 1)
         self.samples.write(self.version, batch.trajectories)
         return batch.metrics() | train_metrics | report.metrics() | self.batcher.metrics()
@@ -326,7 +326,7 @@ class Controller:
         if resume is not None:
             self._restore(resume)
             # engines start from the initial weights: give them the resumed ones
-            await self.push.push(self.backend.state_dict(), self.version)
+            await self.push.push(self.version)
         dump_yaml(cfg, self.run_dir / "config.yaml")
         resume_step = self.version if resume is not None else None
         self.samples = SamplesLog(self.run_dir, cfg.run.samples_per_step, self.decode, resume_step)

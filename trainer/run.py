@@ -3,15 +3,17 @@
 Builds the parts a recipe names, each from its registry of kinds, and hands them to the
 controller:
 
-    engine (Ray actor, or in-process)  <- gateway (in this process, per-rollout sessions)
-         ^                                   ^
-         | weight push after each step       | AgentFlow: the agent kind `agent.kind` names
+    engines (Ray actors, in-process, or SGLang) <- router <- gateway (here, per-rollout sessions)
+         ^                                                    ^
+         | TransferMesh after each step                       | AgentFlow: the agent kind `agent.kind` names
     train backend (Ray actor, or in-process) <- controller (admission, batches, train, push, eval)
 
-With `ray.enabled` the backend's ranks run as Ray actors (one per rank: tensor x pipeline x
-data parallel), and so does the engine unless its kind is a client of servers elsewhere
-(`remote`, e.g. SGLang); trainer/cluster.py places them, on this machine or on the cluster at
-`ray.address`.
+`engine.replicas` local engines (or one engine per SGLang URL) stand behind the gateway's
+session-sticky, least-loaded router; each is a TransferMesh receiver, and the plan of which
+route reaches which engine is printed at start. With `ray.enabled` the backend's ranks run as
+Ray actors (one per rank: tensor x pipeline x data parallel), and so does each engine unless
+its kind is a client of servers elsewhere (`remote`, e.g. SGLang); trainer/cluster.py places
+them, on this machine or on the cluster at `ray.address`.
 The gateway also listens on a Unix socket in a private temporary folder: the only way out of
 the sandboxes of black-box agents. `--help` lists every key with its help text;
 `recipe=quickstart` is the CPU default.
@@ -32,7 +34,7 @@ import gymnasium as gym
 from transformers import AutoTokenizer
 
 from gateway.config import ConfigError
-from gateway.engines import ENGINES, make_engine
+from gateway.engines import ENGINES, make_engines, replica_configs, serve_together
 from gateway.engines.base import Engine
 from gateway.models import resolve_model
 from gateway.server import Gateway, GatewayConfig
@@ -43,33 +45,51 @@ from trainer.config import TrainerConfig, load
 from trainer.controller import Controller
 from trainer.eval import FlowEvaluator
 from trainer.metrics import Summary
-from trainer.weights import WeightPush
+from trainer.transfer import TransferMesh
 
 
 @contextlib.asynccontextmanager
-async def engine_and_backend(
+async def engines_and_backend(
     cfg: TrainerConfig, model_path: str
-) -> AsyncIterator[tuple[Engine, TrainBackend]]:
-    """The engine and the train backend; both stopped on exit. With `ray.enabled` the backend's
-    ranks are Ray actors, and so is the engine unless it is a client of servers elsewhere
-    (trainer/cluster.py places them); otherwise both run in this process."""
+) -> AsyncIterator[tuple[list[Engine], TrainBackend]]:
+    """The engines and the train backend; all stopped on exit. With `ray.enabled` the
+    backend's ranks are Ray actors, and so are the engines unless they are clients of servers
+    elsewhere (trainer/cluster.py places them); otherwise all run in this process."""
     async with contextlib.AsyncExitStack() as stack:
         remote = ENGINES.attrs(cfg.engine.kind)["remote"]
         if cfg.ray.enabled:
             from trainer import cluster
 
+            check_ray_cpus(cfg, remote)
             cluster.init(cfg.ray)
         if cfg.ray.enabled and not remote:
-            engine = await stack.enter_async_context(cluster.placed_engine(cfg, model_path))
+            engines: list[Engine] = [
+                await stack.enter_async_context(cluster.placed_engine(cfg, replica, model_path))
+                for replica in replica_configs(cfg.engine)
+            ]
         else:
-            engine = make_engine(cfg.engine, model_path)
-            stack.push_async_callback(engine.close)
+            engines = make_engines(cfg.engine, model_path)
+            for engine in engines:
+                stack.push_async_callback(engine.close)
         if cfg.ray.enabled:
             backend = stack.enter_context(cluster.placed_trainer(cfg))
-            print(cluster.describe(engine, backend), flush=True)
+            print(cluster.describe(engines, backend), flush=True)
         else:
             backend = make_backend(cfg)
-        yield engine, backend
+        yield engines, backend
+
+
+def check_ray_cpus(cfg: TrainerConfig, remote_engines: bool) -> None:
+    """A local Ray must hold every actor, or placing the last one waits (and fails) first."""
+    engines = 0 if remote_engines else cfg.engine.replicas
+    need = engines * cfg.ray.engine_cpus + cfg.train.world_size * cfg.ray.trainer_cpus
+    if cfg.ray.address is None and need > cfg.ray.num_cpus:
+        raise ConfigError(
+            f"ray.num_cpus={cfg.ray.num_cpus} cannot hold {engines} engine(s) x "
+            f"ray.engine_cpus={cfg.ray.engine_cpus} + {cfg.train.world_size} trainer rank(s) x "
+            f"ray.trainer_cpus={cfg.ray.trainer_cpus}; raise ray.num_cpus (logical CPUs may "
+            "exceed the cores) or lower the others"
+        )
 
 
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
@@ -77,8 +97,14 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     AgentFlow.check(cfg.rollout.env, cfg.agent)  # before loading anything
     model_path = resolve_model(cfg.model.name)
     async with contextlib.AsyncExitStack() as stack:
-        engine, backend = await stack.enter_async_context(engine_and_backend(cfg, model_path))
+        engines, backend = await stack.enter_async_context(engines_and_backend(cfg, model_path))
         _stop_on_sigterm(stack)
+        engine = serve_together(engines)
+        if len(engines) > 1:
+            stack.push_async_callback(engine.close)  # the router's health checks
+        mesh = TransferMesh(backend, engines, cfg.transfer, cfg.rollout.partial_rollout)
+        stack.push_async_callback(mesh.close)
+        print(mesh.plan.describe(), flush=True)
         gateway = Gateway(engine, model_path, GatewayConfig(model=cfg.model.name, auth="keys"))
         stack.push_async_callback(gateway.aclose)
         socket = await stack.enter_async_context(gateway_socket(gateway))
@@ -87,7 +113,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             cfg,
             backend,
             flow,
-            WeightPush([engine], cfg.rollout.partial_rollout),
+            mesh,
             prompts=PromptStream(seed=cfg.run.seed),
             evaluator=FlowEvaluator(flow, cfg.eval),
             decode=AutoTokenizer.from_pretrained(model_path).decode,

@@ -1,4 +1,8 @@
-"""`Router`: several engines behind one Engine, for a gateway in front of many SGLang servers.
+"""`Router`: several engines behind one Engine, for a gateway in front of many engines.
+
+Any Engine works: local engines in this process, engines in Ray actors (`RayEngine`), SGLang
+servers (`SGLangEngine`), or a mix; `make_engine` builds one for `engine.replicas` or several
+SGLang URLs.
 
 Routing:
 - session-sticky: a session's requests go to the engine that served it before, while that
@@ -12,11 +16,14 @@ Routing:
   since replaying would duplicate or alter logged tokens.
 
 Control fans out: `pause`, `resume` and `update_weights` go to every engine at once, and health
-probes stop while paused (a paused SGLang server fails its probe). An engine that misses a
-weight push (down, or the push failed) stays out of the rotation until a later push reaches it,
-so after `update_weights(state, v)` no token is sampled with older weights. `weight_version` is the minimum over the engines in rotation: tokens carry the exact
-version of the engine that produced them, but a single number for "what new tokens are sampled
-with" can only promise the oldest of them, which is the safe side for a staleness gate.
+probes stop while paused (a paused SGLang server fails its probe). Weights usually reach the
+engines without the router (TransferMesh pushes to each engine over its own route), so the
+rotation follows the engines' versions: an engine behind the newest version among the healthy
+engines (it missed a push: down, failed, or not reached yet) is out of the rotation until a
+later push reaches it, so new requests are never sampled with older weights than another engine
+already serves. `weight_version` is the minimum over the engines in rotation: tokens carry the
+exact version of the engine that produced them, but a single number for "what new tokens are
+sampled with" can only promise the oldest of them, which is the safe side for a staleness gate.
 """
 
 from __future__ import annotations
@@ -56,7 +63,6 @@ class Router:
         self._healthy = [True] * len(engines)
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._requests: dict[str, int] = {}
-        self._pushed_version: int | None = None
         self._next = 0
         self._health_task: asyncio.Task[None] | None = None
         self._connected = False
@@ -168,12 +174,9 @@ class Router:
     # -- routing -------------------------------------------------------------------------------
 
     def _in_rotation(self) -> list[int]:
-        pushed = self._pushed_version
-        return [
-            i
-            for i, e in enumerate(self.engines)
-            if self._healthy[i] and (pushed is None or e.weight_version >= pushed)
-        ]
+        healthy = [i for i in range(len(self.engines)) if self._healthy[i]]
+        newest = max((self.engines[i].weight_version for i in healthy), default=0)
+        return [i for i in healthy if self.engines[i].weight_version >= newest]
 
     def _pick(self, session_id: str | None, exclude: set[int]) -> int:
         live = [i for i in self._in_rotation() if i not in exclude]
@@ -314,9 +317,8 @@ class Router:
             self._paused = False
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        # Engines that miss this push (down, or failed) stay behind: out of the rotation.
         await self._fan_out("update_weights", lambda e: e.update_weights(state, version))
-        # Engines that missed this push (down, or failed) stay out until one reaches them.
-        self._pushed_version = version
 
 
 async def _call(engine: Engine, method: str) -> Any:

@@ -12,7 +12,9 @@ the wire format is restated here as pydantic models, field by field, from SGLang
 - The answer is `{text, output_ids, meta_info}`; `meta_info` has `id`, `finish_reason`
   (`{"type": "stop", "matched": ID-or-string}`, `{"type": "length", "length": N}` or
   `{"type": "abort", "message": ...}`), `prompt_tokens`, `completion_tokens`,
-  `weight_version` (a string; `"default"` until the first versioned update) and, with
+  `weight_version` (a string; `"default"` until the first versioned update), per-token
+  `weight_versions` spans `[{version, start, end}]` over the output positions (a request that
+  runs across a weight update has one span per version; `weight_version` is the last one) and, with
   `return_logprob`, `output_token_logprobs = [[logprob, token_id, text-or-null], ...]`; with
   `top_logprobs_num=k` (a top-level field, not a sampling one) also `output_top_logprobs`, one
   list of k such triples per output position.
@@ -29,7 +31,14 @@ the wire format is restated here as pydantic models, field by field, from SGLang
 `update_weights` of the Engine protocol goes over disk (safetensors in a folder the server can
 read, then `/update_weights_from_disk` with `weight_version`), the one route that works over
 plain HTTP. The other weight routes (`/update_weights_from_tensor`, `/init_weights_update_group`,
-`/update_weights_from_distributed`, memory release/resume) are methods here for TransferMesh.
+`/update_weights_from_distributed`, memory release/resume) are methods here for TransferMesh
+(trainer/transfer), which also reads `placement`. SGLang refuses tensor and distributed updates
+outside `/begin_weight_update` ... `/end_weight_update` (an open session is also required
+between them, and a second `begin` is refused); every update request takes `weight_version`,
+which the server records as soon as that request succeeds, so a bucketed update sends it with
+its last bucket only. Read from SGLang's source (main, 2026: `managers/io_struct.py`,
+`managers/scheduler_components/weight_updater.py`, `utils/weight_versions.py`), the version
+the issue tracker calls 0.5.23.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from gateway.engines.base import (
     PauseMode,
     SamplingParams,
 )
+from gateway.engines.placement import SGLANG_TRANSPORTS, Placement
 
 # ---------------------------------------------------------------------------------------------
 # Wire models (SGLang's field names and meanings)
@@ -113,6 +123,14 @@ class FinishReasonInfo(BaseModel):
     status_code: int | None = None
 
 
+class WeightVersionSpan(BaseModel):
+    """Output positions [start, end) sampled with weight `version`."""
+
+    version: str | int
+    start: int
+    end: int
+
+
 class MetaInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -122,6 +140,7 @@ class MetaInfo(BaseModel):
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     weight_version: str | int | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
     output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
     output_top_logprobs: list[list[tuple[float | None, int, str | None]] | None] | None = None
     input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
@@ -374,6 +393,19 @@ class SGLangEngine:
     async def get_model_info(self) -> dict[str, Any]:
         return await self._request("GET", "/get_model_info")
 
+    async def get_server_info(self) -> dict[str, Any]:
+        """The server's arguments and state (`tp_size`, ...)."""
+        return await self._request("GET", "/get_server_info")
+
+    @property
+    def placement(self) -> Placement:
+        """Where the server is, for TransferMesh: its host, a GPU, SGLang's weight API."""
+        host = httpx.URL(self.url).host
+        if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+            local = Placement.here()
+            return Placement(local.host, local.node, 0, "cuda", SGLANG_TRANSPORTS, "sglang")
+        return Placement(host, f"host:{host}", 0, "cuda", SGLANG_TRANSPORTS, "sglang")
+
     async def close(self) -> None:
         self._pool.close()
         await self._client.aclose()
@@ -423,17 +455,27 @@ class SGLangEngine:
             version,
         )
 
+    async def begin_weight_update(self, selector: str = "all") -> None:
+        """Open a weight-update session (tensor and distributed updates need one); `selector`:
+        target, draft or all (the draft model of speculative decoding)."""
+        await self._weight_update("/begin_weight_update", {"selector": selector}, None)
+
+    async def end_weight_update(self) -> None:
+        """Close the session: the server finalizes the loaded weights (e.g. re-quantizes)."""
+        await self._weight_update("/end_weight_update", {}, None)
+
     async def update_weights_from_tensor(
         self,
         serialized_named_tensors: list[str],
-        version: int,
+        version: int | None,
         *,
         load_format: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> None:
         """`serialized_named_tensors`: base64 of SGLang's `MultiprocessingSerializer` output,
-        one per TP rank (CUDA IPC handles: same node only)."""
+        one per TP rank (CUDA IPC handles: same node only). `version` (the server's new weight
+        version) only with the last bucket of a version; None before."""
         await self._weight_update(
             "/update_weights_from_tensor",
             {
@@ -441,7 +483,7 @@ class SGLangEngine:
                 "load_format": load_format,
                 "flush_cache": flush_cache,
                 "abort_all_requests": abort_all_requests,
-                "weight_version": str(version),
+                "weight_version": _version_field(version),
             },
             version,
         )
@@ -475,13 +517,15 @@ class SGLangEngine:
         names: list[str],
         dtypes: list[str],
         shapes: list[list[int]],
-        version: int,
+        version: int | None,
         *,
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> None:
-        """Receive one bucket of tensors broadcast by the trainer over the group."""
+        """Receive one bucket of tensors broadcast by the trainer over the group
+        (`load_format="flattened_bucket"`: as one flat broadcast). `version` as for tensors."""
         await self._weight_update(
             "/update_weights_from_distributed",
             {
@@ -491,7 +535,8 @@ class SGLangEngine:
                 "group_name": group_name,
                 "flush_cache": flush_cache,
                 "abort_all_requests": abort_all_requests,
-                "weight_version": str(version),
+                "weight_version": _version_field(version),
+                "load_format": load_format,
             },
             version,
         )
@@ -562,18 +607,39 @@ class SGLangEngine:
         return Chunk(
             token_ids=[e[1] for e in fresh],
             logprobs=[float(e[0]) if e[0] is not None else 0.0 for e in fresh],
-            versions=[self._weight_version] * len(fresh),
+            versions=self._versions(meta.weight_versions, total - len(fresh), total),
             finish_reason=_FINISH.get(finish.type, "abort") if finish is not None else None,
             top_logprobs=[
                 [(e[1], float(e[0])) for e in row or [] if e[0] is not None] for row in fresh_tops
             ],
         )
 
+    def _versions(self, spans: list[WeightVersionSpan] | None, start: int, end: int) -> list[int]:
+        """The weight version of output positions [start, end): from the spans, else (an older
+        SGLang without them) the answer's `weight_version`."""
+        if not spans:
+            return [self._weight_version] * (end - start)
+        out = []
+        for pos in range(start, end):
+            span = next((s for s in spans if s.start <= pos < s.end), spans[-1])
+            out.append(parse_version(span.version))
+        return out
+
     async def _weight_update(self, path: str, body: dict[str, Any], version: int | None) -> None:
-        raw = await self._post_raw(path, body, allow_400=True)
+        """A weight route: `{success, message}` (a failed update is a 400 with success false);
+        a 400 of another shape is SGLang refusing the request itself (ValueError)."""
+        try:
+            response = await self._client.post(path, content=orjson.dumps(body), headers=_JSON)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{self!r}: {path} failed: {exc!r}") from exc
+        raw = response.content
+        if response.status_code not in (200, 400):
+            self._raise_for_status(response, path)
         try:
             result = WeightUpdateResponse.model_validate_json(raw)
         except ValidationError as exc:
+            if response.status_code == 400:
+                raise ValueError(f"SGLang rejected {path}: {_error_message(raw)}") from None
             raise EngineError(f"{self!r}: {path} answered {raw[:200]!r}") from exc
         if not result.success:
             raise EngineError(f"{self!r}: {path} failed: {result.message}")
@@ -589,15 +655,6 @@ class SGLangEngine:
         if response.status != 200:
             self._raise_for(response.status, data, "/generate")
         return data
-
-    async def _post_raw(self, path: str, body: dict[str, Any], allow_400: bool = False) -> bytes:
-        try:
-            response = await self._client.post(path, content=orjson.dumps(body), headers=_JSON)
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{self!r}: {path} failed: {exc!r}") from exc
-        if response.status_code != 200 and not (allow_400 and response.status_code == 400):
-            self._raise_for_status(response, path)
-        return response.content
 
     async def _request(
         self, method: Literal["GET", "POST"], path: str, body: dict[str, Any] | None = None
@@ -817,6 +874,10 @@ def _error_message(content: bytes) -> str:
         if "detail" in data:
             return str(data["detail"])
     return str(data)[:500]
+
+
+def _version_field(version: int | None) -> str | None:
+    return None if version is None else str(version)
 
 
 def _rmtree(path: str) -> None:

@@ -78,6 +78,7 @@ from trainer.backends.megatron.model import (
     use_transformer_engine,
 )
 from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
+from trainer.transfer.buckets import TensorSpec, dtype_name
 
 CHECKPOINT_DIR = "megatron"
 
@@ -583,13 +584,15 @@ class MegatronBackend:
             if not (tied and p.megatron == "output_layer.weight")
         ]
 
-    def hf_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """(HF name, shape, dtype) of every tensor of the model's HF folder, in the order
+    def hf_specs(self) -> list[TensorSpec]:
+        """HF name, shape and dtype of every tensor of the model's HF folder, in the order
         `hf_tensors` yields them; from the config, no communication. Tied weights appear once,
         as `model.embed_tokens.weight`, as in the folder."""
         shapes = hf_shapes(self.arch)
-        dtype = self.config.params_dtype
-        return [(name, shapes[name], dtype) for p in self._exported() for name in p.hf]
+        dtype = dtype_name(self.config.params_dtype)
+        return [
+            TensorSpec(name, tuple(shapes[name]), dtype) for p in self._exported() for name in p.hf
+        ]
 
     def hf_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (all of them, or `names`), yielded on global rank 0.
@@ -643,7 +646,8 @@ class MegatronBackend:
                         yield name, t
 
     def weight_source(self) -> MegatronBackend:
-        """The HF-name view TransferMesh reads (`hf_specs`, `hf_tensors`): the backend itself."""
+        """The HF-name view TransferMesh reads (`hf_specs`, `hf_tensors`, and `device`, so that
+        the planner learns where the weights are without gathering): the backend itself."""
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
