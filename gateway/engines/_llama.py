@@ -1,0 +1,365 @@
+"""The local engine's lean forward for Llama-family models, over a slot KV cache.
+
+transformers' generic forward costs more in Python than the model costs in arithmetic at
+decode time (masks rebuilt per step, a `DynamicCache` padded, concatenated and index-selected
+per step, three projections where one would do). This module runs the same maths with:
+
+- fused weights: one `qkv` projection and one `gate_up` projection per layer (the HF tensors
+  `q_proj/k_proj/v_proj` and `gate_proj/up_proj` are row-slices of them, so `weights()` hands
+  out views and a weight swap is one `copy_` per tensor straight into the fused buffers);
+  the rest (embeddings, tied LM head, `o_proj`, `down_proj`, norms) are HF's own tensors;
+- RoPE tables precomputed once for every position;
+- a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
+  holds one sequence from position 0, never padded on the left: a decode step writes one
+  position per row in place and attends over the prefix `[:max length]` of rows `[:batch]`
+  (a view), masking each row beyond its own length. Rows stay packed at the front: when rows
+  leave, rows from the end move into the holes (one copy of their cache each). Capacity grows by
+  doubling (rows and positions), so an append never reallocates on the hot path;
+- prefill packs the newcomers' tokens without padding for the matmuls and pads only inside
+  attention; scoring uses the same path without touching the cache and computes logits only
+  for the positions it scores.
+
+Numerics follow transformers' `LlamaForCausalLM` (RMSNorm in fp32, rotate-half RoPE, SiLU MLP,
+GQA); tests compare tokens and logprobs against it. `supported(config)` says which configs this
+covers; the engine falls back to the HF forward for everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def unsupported(config) -> str | None:
+    """Why the lean forward cannot run `config` (None: it can)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    checks = {
+        "model_type is not llama": getattr(config, "model_type", None) != "llama",
+        "hidden_act is not silu": getattr(config, "hidden_act", None) != "silu",
+        "attention or MLP biases": bool(
+            getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+        ),
+        "RoPE scaling": rope.get("rope_type", "default") != "default",
+        "pretraining_tp > 1": getattr(config, "pretraining_tp", 1) != 1,
+    }
+    reasons = [reason for reason, bad in checks.items() if bad]
+    return ", ".join(reasons) or None
+
+
+class LeanLlama(nn.Module):
+    """Llama forward over packed tokens and a slot KV cache. See the module docstring."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        config = hf_model.config
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        hf = dict(hf_model.state_dict(keep_vars=True))
+        dtype = hf["model.embed_tokens.weight"].dtype
+        self.embed = hf["model.embed_tokens.weight"].data
+        self.lm_head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"]).data
+        self.norm = hf["model.norm.weight"].data
+        self._views: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed,
+            "lm_head.weight": self.lm_head,
+            "model.norm.weight": self.norm,
+        }
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = [hf[p + f"self_attn.{n}_proj.weight"].data for n in "qkv"]
+            mlp = [hf[p + f"mlp.{n}_proj.weight"].data for n in ("gate", "up")]
+            layer = {
+                "ln1": hf[p + "input_layernorm.weight"].data,
+                "qkv": torch.cat(attn),
+                "o": hf[p + "self_attn.o_proj.weight"].data,
+                "ln2": hf[p + "post_attention_layernorm.weight"].data,
+                "gate_up": torch.cat(mlp),
+                "down": hf[p + "mlp.down_proj.weight"].data,
+            }
+            self.layers.append(layer)
+            names = {
+                "input_layernorm": layer["ln1"],
+                "self_attn.o_proj": layer["o"],
+                "post_attention_layernorm": layer["ln2"],
+                "mlp.down_proj": layer["down"],
+            }
+            names.update(_rows(layer["qkv"], [f"self_attn.{n}_proj" for n in "qkv"], attn))
+            names.update(_rows(layer["gate_up"], ["mlp.gate_proj", "mlp.up_proj"], mlp))
+            self._views.update({f"{p}{n}.weight": t for n, t in names.items()})
+        missing = set(hf) - set(self._views)
+        assert not missing, f"weights the lean forward does not use: {sorted(missing)}"
+        self._views = {name: self._views[name] for name in hf}  # HF's names, HF's order
+        positions = config.max_position_embeddings
+        inv_freq = 1.0 / (
+            config.rope_parameters["rope_theta"]
+            ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim)
+        )
+        freqs = torch.arange(positions, dtype=torch.float)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : self.head_dim // 2] *= -1  # see _rope
+        self.cos, self.sin = emb.cos().to(dtype), sin.to(dtype)
+        self._head = _pick_head(dtype)
+        self.cache = SlotCache(
+            config.num_hidden_layers, self.num_kv_heads, self.head_dim, positions, dtype
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """HF state-dict name -> the tensor (or view of a fused buffer) this forward reads."""
+        return dict(self._views)
+
+    # --------------------------------------------------------------------------- forward
+
+    def forward(self, step: Step) -> torch.Tensor:
+        """fp32 logits for `step.logits_at` (packed token indices); writes the cache if asked."""
+        x = self.embed[step.ids]
+        cos, sin = self.cos[step.positions, None], self.sin[step.positions, None]
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer["ln1"])
+            attn = self._attention(i, F.linear(h, layer["qkv"]), cos, sin, step)
+            x = x + F.linear(attn, layer["o"])
+            gate, up = F.linear(self._norm(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate).mul_(up), layer["down"])
+        x = x[step.logits_at] if step.logits_at is not None else x
+        return self._head(self._norm(x, self.norm), self.lm_head).float()
+
+    def _attention(
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step
+    ) -> torch.Tensor:
+        n, heads, kv_heads, dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = qkv.view(n, heads + 2 * kv_heads, dim)
+        qk = _rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k heads in one go
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        if step.write_rows is not None:
+            self.cache.write(layer, step.write_rows, step.positions, k, v)
+        if step.decode:  # one token per row, rows [0, n): attend over the cache
+            keys, values = self.cache.rows(layer, n, step.width)
+            # GQA without repeating K/V: a kv head's query group plays the "sequence" dim.
+            q = q.reshape(n, kv_heads, heads // kv_heads, dim)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=step.mask, scale=self.scale
+            )
+            return out.reshape(n, heads * dim)
+        # Packed prefill: pad into [rows, width] only for causal attention.
+        q, k, v = (t[step.pad_index].transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=kv_heads != heads
+        )
+        return out.transpose(1, 2).reshape(-1, heads * dim)[step.unpad_index]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        h = x.float()  # as transformers: normalise in fp32, scale in the weights' dtype
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+
+class LeanRunner:
+    """Batch rows over `LeanLlama`'s slot cache: the interface `LocalEngine` drives."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        self.model = LeanLlama(hf_model)
+        self._lengths: list[int] = []
+        """Tokens in the cache, per row."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.model.weights()
+
+    def prefill(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append rows for `seqs`; fp32 logits after each sequence's last token."""
+        first, lengths = len(self._lengths), [len(s) for s in seqs]
+        self.model.cache.reserve(first + len(seqs), max(lengths))
+        ends = torch.tensor(lengths).cumsum(0) - 1
+        logits = self.model(Step.packed(seqs, first, ends.tolist()))
+        self._lengths += lengths
+        return logits
+
+    def decode(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token per row; fp32 logits after it."""
+        positions = self._lengths
+        self.model.cache.reserve(len(tokens), max(positions) + 1)
+        logits = self.model(Step.decoding(tokens, positions))
+        self._lengths = [n + 1 for n in positions]
+        return logits
+
+    def keep(self, order: Sequence[int], clear: Sequence[int] = ()) -> None:
+        """Row j becomes old row order[j]; the others leave. Rows in `clear` are zeroed first
+        (they held non-finite values that masking cannot hide from the row's next owner)."""
+        for row in clear:
+            self.model.cache.clear(row)
+        self._lengths = [self._lengths[src] for src in order]
+        self.model.cache.keep(order, self._lengths)
+
+    def reset(self) -> None:
+        self._lengths = []
+        self.model.cache.reset()
+
+    def score(self, seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """log p(seq[i] | seq[:i]) for i >= start; logits only at those positions."""
+        at, targets, offset = [], [], 0
+        for seq, begin in zip(seqs, starts, strict=True):
+            at += range(offset + begin - 1, offset + len(seq) - 1)
+            targets += seq[begin:]
+            offset += len(seq)
+        if not at:
+            return [[] for _ in seqs]
+        logp = torch.log_softmax(self.model(Step.packed(seqs, None, at)), dim=-1)
+        flat = logp.gather(-1, torch.tensor(targets)[:, None])[:, 0].tolist()
+        out, offset = [], 0
+        for seq, begin in zip(seqs, starts, strict=True):
+            out.append(flat[offset : offset + len(seq) - begin])
+            offset += len(seq) - begin
+        return out
+
+
+class Step:
+    """One forward's inputs: packed sequences (prefill, score) or one token per row (decode)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    write_rows: torch.Tensor | None = None
+    logits_at: torch.Tensor | None = None
+    decode: bool = False
+    width: int = 0
+    mask: torch.Tensor
+    pad_index: torch.Tensor
+    unpad_index: torch.Tensor
+
+    @classmethod
+    def packed(
+        cls, seqs: Sequence[Sequence[int]], first_row: int | None, logits_at: list[int]
+    ) -> Step:
+        """Sequences packed end to end; cache rows first_row.. (None: no cache writes)."""
+        step = cls()
+        lengths = [len(s) for s in seqs]
+        width = max(lengths)
+        step.ids = torch.tensor([t for s in seqs for t in s])
+        step.positions = torch.cat([torch.arange(n) for n in lengths])
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        if first_row is not None:
+            step.write_rows = torch.repeat_interleave(
+                torch.arange(first_row, first_row + len(seqs)), torch.tensor(lengths)
+            )
+        grid = torch.arange(width)
+        valid = grid[None, :] < torch.tensor(lengths)[:, None]
+        # A pad repeats its row's last token: padding never mixes rows, so a row that goes
+        # non-finite cannot reach another through attention (masked NaN still poisons SDPA).
+        last = starts + torch.tensor(lengths) - 1
+        step.pad_index = torch.where(valid, starts[:, None] + grid, last[:, None])
+        step.unpad_index = (torch.arange(len(seqs))[:, None] * width + grid)[valid]
+        step.logits_at = torch.tensor(logits_at)
+        return step
+
+    @classmethod
+    def decoding(cls, tokens: list[int], positions: list[int]) -> Step:
+        """One token per cache row [0, len(tokens)), at `positions`."""
+        step = cls()
+        step.decode = True
+        step.ids = torch.tensor(tokens)
+        step.positions = torch.tensor(positions)
+        step.write_rows = torch.arange(len(tokens))
+        step.width = max(positions) + 1
+        step.mask = (torch.arange(step.width)[None, :] <= step.positions[:, None])[:, None, None]
+        return step
+
+
+class SlotCache:
+    """KV cache rows `[layers, 2, rows, kv_heads, capacity, head_dim]`; see the module docstring."""
+
+    MIN_POSITIONS = 128
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, max_positions: int, dtype: torch.dtype
+    ) -> None:
+        self.shape = (layers, 2, 0, kv_heads, 0, head_dim)
+        self.max_positions = max_positions
+        self.dtype = dtype
+        self.kv = torch.zeros(self.shape, dtype=dtype)
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Room for `rows` rows of `positions` tokens (capacities double; contents kept)."""
+        have_rows, have_pos = self.kv.shape[2], self.kv.shape[4]
+        if rows <= have_rows and positions <= have_pos:
+            return
+        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        new_pos = have_pos
+        if positions > have_pos:
+            new_pos = max(positions, 2 * have_pos, self.MIN_POSITIONS)
+            new_pos = min(new_pos, self.max_positions)
+        layers, _, _, kv_heads, _, dim = self.kv.shape
+        kv = torch.zeros((layers, 2, new_rows, kv_heads, new_pos, dim), dtype=self.dtype)
+        kv[:, :, :have_rows, :, :have_pos] = self.kv
+        self.kv = kv
+
+    def write(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        self.kv[layer, 0, rows, :, positions] = k
+        self.kv[layer, 1, rows, :, positions] = v
+
+    def rows(self, layer: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv[layer, :, :n, :, :width]
+        return kv[0], kv[1]
+
+    def keep(self, order: list[int], lengths: list[int]) -> None:
+        """Row j becomes old row order[j] (only moved rows are copied)."""
+        for j, (src, n) in enumerate(zip(order, lengths, strict=True)):
+            if src != j:
+                self.kv[:, :, j, :, :n] = self.kv[:, :, src, :, :n]
+
+    def clear(self, row: int) -> None:
+        """Zero one row, so that nothing non-finite a failed request left stays in the cache."""
+        self.kv[:, :, row].zero_()
+
+    def reset(self) -> None:
+        self.kv = torch.zeros(self.shape, dtype=self.dtype)
+
+
+def _rows(
+    fused: torch.Tensor, names: list[str], parts: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Views of `fused` for the row blocks it was concatenated from."""
+    out, start = {}, 0
+    for name, part in zip(names, parts, strict=True):
+        out[name] = fused[start : start + part.shape[0]]
+        start += part.shape[0]
+    return out
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] with
+    sin's first half negated, so rotate_half(x) * sin == roll(x, half) * signed sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def _mkldnn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def _pick_head(dtype: torch.dtype):
+    """The LM head's matmul: oneDNN's linear where it runs (fp32; ~1.4x MKL's sgemm on the
+    [rows, 576] x [576, 49152] decode shape here), else F.linear."""
+    if dtype == torch.float32:
+        try:
+            x, w = torch.randn(2, 8), torch.randn(4, 8)
+            if torch.allclose(_mkldnn_linear(x, w), F.linear(x, w), atol=1e-5):
+                return _mkldnn_linear
+        except (RuntimeError, AttributeError):
+            pass
+    return F.linear
