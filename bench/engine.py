@@ -1,15 +1,24 @@
-"""Throughput of the embedded engine versus HF `generate`, side by side in one run.
+"""The embedded engine against HF `generate` and against this machine's roofline, in one run.
 
-    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,8,32]
-                           [--repeats 1] [--threads N]
+    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,32]
+                           [--repeats 3] [--threads N]
 
 Same chat prompts, greedy, every request generating exactly `--max-tokens` new tokens (the
 engine with `ignore_eos`, HF with `min_new_tokens`). HF runs a whole batch as one left-padded
-`generate` call; the engine receives the same requests concurrently and batches them itself.
-Tokens/s counts new tokens only, prefill included in the wall time. Both sides run in one
-process, alternating per batch size (so load from other processes hits both alike); "peak RSS
-extra" is the highest RSS sampled during a run minus the RSS just before it (activations, KV
-cache). "same tokens": requests whose greedy tokens agree up to the engine's first EOS.
+`generate` call; the engine receives the same requests concurrently through the Engine
+protocol and batches them itself. Tokens/s counts new tokens only, prefill included in the
+wall time. HF and engine alternate within each repeat (so load from other processes hits both
+alike); each keeps its best repeat.
+
+The roofline is measured in the same run (`gateway/machine.py`): this machine's matmul
+GFLOP/s on the shapes each phase runs (prefill, decode at the batch's size, the LM head) and
+its memcpy GB/s give the least time the workload can take (`machine.generation_seconds`:
+FLOPs and weight bytes counted from the model config); "of roofline" is achieved tokens/s over
+that bound. "GFLOP/s" is the workload's counted FLOPs over the wall time.
+
+Checks printed beside the speed: "same tokens" counts requests whose greedy tokens agree with
+HF's up to the engine's first EOS; "logprob err" is the largest |engine logprob - teacher-forced
+HF logprob| over every generated token.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.engines.base import SamplingParams
+from gateway import machine
+from gateway.engines.base import Generation, SamplingParams
 from gateway.engines.local import LocalEngine
 from gateway.models import model_name, resolve_model
 
@@ -78,9 +88,7 @@ def prompts_for(path: Path, batch: int) -> list[list[int]]:
     return out
 
 
-def hf_runner(path: Path) -> Callable[[list[list[int]], int], list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
+def hf_runner(model: torch.nn.Module) -> Callable[[list[list[int]], int], list[list[int]]]:
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -101,11 +109,10 @@ def hf_runner(path: Path) -> Callable[[list[list[int]], int], list[list[int]]]:
     return generate
 
 
-def engine_runner(engine: LocalEngine) -> Callable[[list[list[int]], int], list[list[int]]]:
-    async def run(prompts: list[list[int]], n: int) -> list[list[int]]:
+def engine_runner(engine: LocalEngine) -> Callable[[list[list[int]], int], list[Generation]]:
+    async def run(prompts: list[list[int]], n: int) -> list[Generation]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        outs = await asyncio.gather(*(engine.generate(x, params) for x in prompts))
-        return [o.output_ids for o in outs]
+        return list(await asyncio.gather(*(engine.generate(x, params) for x in prompts)))
 
     return lambda prompts, n: asyncio.run(run(prompts, n))
 
@@ -116,12 +123,27 @@ def agree(hf: list[int], engine: list[int], eos: frozenset[int]) -> bool:
     return hf[:cut] == engine[:cut]
 
 
+def logprob_error(
+    model: torch.nn.Module, prompts: list[list[int]], outs: list[Generation]
+) -> float:
+    """Largest |engine logprob - logprob of a teacher-forced HF forward| over all new tokens."""
+    worst = 0.0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs, strict=True):
+            seq = torch.tensor([prompt + out.output_ids])
+            logp = torch.log_softmax(model(seq).logits[0].float(), dim=-1)
+            targets = seq[0, len(prompt) :, None]
+            ref = logp[len(prompt) - 1 : -1].gather(-1, targets)[:, 0]
+            worst = max(worst, float((ref - torch.tensor(out.output_logprobs)).abs().max()))
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF folder")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
-    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per side; best is kept")
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side; best is kept")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
@@ -130,8 +152,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    shape = machine.ModelShape.from_config(hf_model.config)
     engine = LocalEngine(path, max_batch_size=max(batches))
-    sides = {"hf": hf_runner(path), "engine": engine_runner(engine)}
+    sides = {"hf": hf_runner(hf_model), "engine": engine_runner(engine)}
     for run in sides.values():
         run(prompts_for(path, 2), 4)  # warm-up
     baseline = rss_bytes()
@@ -147,27 +171,61 @@ def main() -> None:
                 )
                 seconds[name] = min(seconds[name], took)
                 extra[name] = max(extra[name], peak - before)
-        rows.append((batch, outs, seconds, extra))
+        rows.append((batch, prompts, outs, seconds, extra))
     asyncio.run(engine.close())
 
+    # The machine, measured after the runs (in the same process and load conditions).
+    memcpy = machine.memcpy_gbps()
+    lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
-        f"torch threads {torch.get_num_threads()}, best of {args.repeats}; process RSS with "
-        f"both models loaded {baseline / 2**20:.0f} MiB"
+        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with both "
+        f"models loaded {baseline / 2**20:.0f} MiB\n"
+        f"machine: {machine.describe()}; memcpy {memcpy:.1f} GB/s"
+    )
+    print("\nmeasured linear-layer GFLOP/s ([m, k] x [k, n]; fp32 unless noted):")
+    for batch in batches:
+        for m, what in ((sum(lengths[batch]), "prefill"), (batch, "decode")):
+            rates = [
+                f"{name} {machine.matmul_gflops(m, i, o):.0f}"
+                for name, (i, o) in {
+                    **shape.linears(),
+                    "lm_head": (shape.hidden, shape.vocab),
+                }.items()
+            ]
+            print(f"- batch {batch} {what}, m={m}: {', '.join(rates)}")
+    big = (1024, shape.hidden, shape.intermediate)
+    print(
+        f"- {big[0]}x{big[1]}x{big[2]}: fp32 {machine.matmul_gflops(*big):.0f}, "
+        f"bf16 {machine.matmul_gflops(*big, torch.bfloat16):.0f}"
     )
     print(
-        "| batch | HF generate tok/s | engine tok/s | engine/HF | same tokens "
+        "\n| batch | HF generate tok/s | engine tok/s | roofline tok/s | engine/HF "
+        "| engine of roofline | HF of roofline | engine GFLOP/s | same tokens | logprob err "
         "| HF peak RSS extra | engine peak RSS extra |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, outs, seconds, extra in rows:
-        hf_tps, en_tps = (batch * args.max_tokens / seconds[k] for k in ("hf", "engine"))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, prompts, outs, seconds, extra in rows:
+        new = batch * args.max_tokens
+        hf_tps, en_tps = (new / seconds[k] for k in ("hf", "engine"))
+        bound = machine.generation_seconds(
+            shape, lengths[batch], args.max_tokens, machine.matmul_gflops, memcpy
+        )
+        roof_tps = new / bound
+        flops = shape.forward_flops(
+            sum(lengths[batch]) + new - batch,
+            logits=new,
+            attended=machine.causal_attended([n + args.max_tokens - 1 for n in lengths[batch]]),
+        )
         same = sum(
-            agree(a, b, engine.eos_token_ids)
+            agree(a, b.output_ids, engine.eos_token_ids)
             for a, b in zip(outs["hf"], outs["engine"], strict=True)
         )
+        err = logprob_error(hf_model, prompts, outs["engine"])
         print(
-            f"| {batch} | {hf_tps:.1f} | {en_tps:.1f} | {en_tps / hf_tps:.2f}x | {same}/{batch} "
+            f"| {batch} | {hf_tps:.1f} | {en_tps:.1f} | {roof_tps:.1f} | {en_tps / hf_tps:.2f}x "
+            f"| {en_tps / roof_tps:.0%} | {hf_tps / roof_tps:.0%} "
+            f"| {flops / seconds['engine'] / 1e9:.1f} | {same}/{batch} | {err:.1e} "
             f"| {extra['hf'] / 2**20:.0f} MiB | {extra['engine'] / 2**20:.0f} MiB |"
         )
 

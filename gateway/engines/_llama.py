@@ -52,7 +52,7 @@ def unsupported(config) -> str | None:
 class LeanLlama(nn.Module):
     """Llama forward over packed tokens and a slot KV cache. See the module docstring."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, max_rows: int) -> None:
         super().__init__()
         config = hf_model.config
         self.config = config
@@ -111,7 +111,7 @@ class LeanLlama(nn.Module):
         self.cos, self.sin = emb.cos().to(dtype), sin.to(dtype)
         self._head = _pick_head(dtype)
         self.cache = SlotCache(
-            config.num_hidden_layers, self.num_kv_heads, self.head_dim, positions, dtype
+            config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_rows, positions, dtype
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -168,8 +168,8 @@ class LeanLlama(nn.Module):
 class LeanRunner:
     """Batch rows over `LeanLlama`'s slot cache: the interface `LocalEngine` drives."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
-        self.model = LeanLlama(hf_model)
+    def __init__(self, hf_model: nn.Module, max_rows: int) -> None:
+        self.model = LeanLlama(hf_model, max_rows)
         self._lengths: list[int] = []
         """Tokens in the cache, per row."""
 
@@ -280,10 +280,16 @@ class SlotCache:
     MIN_POSITIONS = 128
 
     def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, max_positions: int, dtype: torch.dtype
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_rows: int,
+        max_positions: int,
+        dtype: torch.dtype,
     ) -> None:
         self.shape = (layers, 2, 0, kv_heads, 0, head_dim)
-        self.max_positions = max_positions
+        self.max_rows, self.max_positions = max_rows, max_positions
         self.dtype = dtype
         self.kv = torch.zeros(self.shape, dtype=dtype)
 
@@ -292,7 +298,7 @@ class SlotCache:
         have_rows, have_pos = self.kv.shape[2], self.kv.shape[4]
         if rows <= have_rows and positions <= have_pos:
             return
-        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        new_rows = min(max(rows, 2 * have_rows), self.max_rows) if rows > have_rows else have_rows
         new_pos = have_pos
         if positions > have_pos:
             new_pos = max(positions, 2 * have_pos, self.MIN_POSITIONS)

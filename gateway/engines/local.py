@@ -170,7 +170,7 @@ class LocalEngine:
         except Exception:  # stop strings are then rejected with a ValueError
             self.tokenizer = None
         lean = forward == "auto" and unsupported(config) is None
-        self._runner: Runner = LeanRunner(hf) if lean else HFRunner(hf)
+        self._runner: Runner = LeanRunner(hf, max_batch_size) if lean else HFRunner(hf)
         self.forward = "lean" if lean else "transformers"
         """Which forward runs: the lean Llama one, or transformers' own (any other model)."""
         self.model = self._runner.model
@@ -611,8 +611,11 @@ class LocalEngine:
             if item is not None:
                 grown = [*group, item]
                 keep = max(len(seq) - begin + 1 for seq, begin, _, _ in grown)
-                if len(grown) <= self.max_batch_size and (
-                    len(grown) * keep * self.vocab_size <= SCORE_LOGITS_BUDGET or not group
+                width = max(len(seq) for seq, *_ in grown)
+                if not group or (
+                    len(grown) <= self.max_batch_size
+                    and len(grown) * keep * self.vocab_size <= SCORE_LOGITS_BUDGET
+                    and len(grown) * width <= PREFILL_TOKEN_BUDGET
                 ):
                     group = grown
                     continue
