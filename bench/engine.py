@@ -10,11 +10,12 @@ protocol and batches them itself. Tokens/s counts new tokens only, prefill inclu
 wall time. HF and engine alternate within each repeat (so load from other processes hits both
 alike); each keeps its best repeat.
 
-The roofline is measured in the same run (`gateway/machine.py`): this machine's matmul
-GFLOP/s on the shapes each phase runs (prefill, decode at the batch's size, the LM head) and
-its memcpy GB/s give the least time the workload can take (`machine.generation_seconds`:
-FLOPs and weight bytes counted from the model config); "of roofline" is achieved tokens/s over
-that bound. "GFLOP/s" is the workload's counted FLOPs over the wall time.
+The roofline is measured in the same run, before each repeat (`gateway/machine.py`; best of
+the repeats): this machine's matmul GFLOP/s on the shapes each phase runs (prefill, decode at
+the batch's size, the LM head) and its memcpy GB/s give the least time the workload can take
+(`machine.generation_seconds`: FLOPs and weight bytes counted from the model config); "of
+roofline" is achieved tokens/s over that bound. "GFLOP/s" is the workload's counted FLOPs
+over the wall time.
 
 Checks printed beside the speed: "same tokens" counts requests whose greedy tokens agree with
 HF's up to the engine's first EOS; "logprob err" is the largest |engine logprob - teacher-forced
@@ -159,11 +160,24 @@ def main() -> None:
     for run in sides.values():
         run(prompts_for(path, 2), 4)  # warm-up
     baseline = rss_bytes()
+    rates: dict[tuple[int, int, int], float] = {}
+    memcpy = [0.0]
+
+    def probe(batch: int, prompt_tokens: int) -> None:
+        """Re-measure this batch's matmul shapes and memcpy; keep each one's best so far."""
+        for m in (prompt_tokens, batch):
+            for i, o in [*shape.linears().values(), (shape.hidden, shape.hidden)]:
+                rates[m, i, o] = max(rates.get((m, i, o), 0), machine.measure_matmul(m, i, o))
+        head = (batch, shape.hidden, shape.vocab)
+        rates[head] = max(rates.get(head, 0), machine.measure_matmul(*head))
+        memcpy[0] = max(memcpy[0], machine.measure_memcpy())
+
     rows = []
     for batch in batches:
         prompts = prompts_for(path, batch)
         outs, seconds, extra = {}, {k: float("inf") for k in sides}, dict.fromkeys(sides, 0)
-        for _ in range(args.repeats):  # alternate the two sides so load changes hit both
+        for _ in range(args.repeats):  # machine, HF, engine in turn: load changes hit all
+            probe(batch, sum(len(p) for p in prompts))
             for name, run in sides.items():
                 before = rss_bytes()
                 outs[name], took, peak = peak_rss_during(
@@ -174,30 +188,27 @@ def main() -> None:
         rows.append((batch, prompts, outs, seconds, extra))
     asyncio.run(engine.close())
 
-    # The machine, measured after the runs (in the same process and load conditions).
-    memcpy = machine.memcpy_gbps()
     lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
         f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with both "
         f"models loaded {baseline / 2**20:.0f} MiB\n"
-        f"machine: {machine.describe()}; memcpy {memcpy:.1f} GB/s"
+        f"machine: {machine.describe()}; memcpy {memcpy[0]:.1f} GB/s"
     )
-    print("\nmeasured linear-layer GFLOP/s ([m, k] x [k, n]; fp32 unless noted):")
+    print("\nmeasured linear-layer GFLOP/s, best kernel, [m, k] x [k, n]:")
+    names = {**{v: k for k, v in shape.linears().items()}, (shape.hidden, shape.vocab): "lm_head"}
     for batch in batches:
         for m, what in ((sum(lengths[batch]), "prefill"), (batch, "decode")):
-            rates = [
-                f"{name} {machine.matmul_gflops(m, i, o):.0f}"
-                for name, (i, o) in {
-                    **shape.linears(),
-                    "lm_head": (shape.hidden, shape.vocab),
-                }.items()
+            got = [
+                f"{names[i, o]} {r:.0f}"
+                for (mm, i, o), r in rates.items()
+                if mm == m and (i, o) in names
             ]
-            print(f"- batch {batch} {what}, m={m}: {', '.join(rates)}")
+            print(f"- batch {batch} {what}, m={m}: {', '.join(got)}")
     big = (1024, shape.hidden, shape.intermediate)
     print(
-        f"- {big[0]}x{big[1]}x{big[2]}: fp32 {machine.matmul_gflops(*big):.0f}, "
-        f"bf16 {machine.matmul_gflops(*big, torch.bfloat16):.0f}"
+        f"- {big[0]}x{big[1]}x{big[2]}: fp32 {machine.measure_matmul(*big):.0f}, "
+        f"bf16 {machine.measure_matmul(*big, torch.bfloat16):.0f}"
     )
     print(
         "\n| batch | HF generate tok/s | engine tok/s | roofline tok/s | engine/HF "
@@ -209,7 +220,7 @@ def main() -> None:
         new = batch * args.max_tokens
         hf_tps, en_tps = (new / seconds[k] for k in ("hf", "engine"))
         bound = machine.generation_seconds(
-            shape, lengths[batch], args.max_tokens, machine.matmul_gflops, memcpy
+            shape, lengths[batch], args.max_tokens, lambda *mkn: rates[mkn], memcpy[0]
         )
         roof_tps = new / bound
         flops = shape.forward_flops(

@@ -153,11 +153,14 @@ def matmul_gflops(
     m: int, k: int, n: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> float:
     """Measured GFLOP/s of a linear layer `[m, k] x [n, k]^T` (cached per process)."""
-    return _matmul_gflops(m, k, n, dtype, str(device))
+    return _cached_matmul(m, k, n, dtype, str(device))
 
 
-@functools.cache
-def _matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> float:
+def measure_matmul(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
+    """`matmul_gflops` measured now (benchmarks re-measure between runs and keep the best)."""
+    device = str(device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     w = torch.randn(n, k, generator=gen).to(device, dtype)
@@ -174,14 +177,19 @@ def _matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> f
 
 def memcpy_gbps(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
     """Measured bytes copied per second (GB/s) between two large buffers (cached)."""
-    return _memcpy_gbps(str(device), nbytes)
+    return _cached_memcpy(str(device), nbytes)
 
 
-@functools.cache
-def _memcpy_gbps(device: str, nbytes: int) -> float:
+def measure_memcpy(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """`memcpy_gbps` measured now."""
+    device = str(device)
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     return nbytes / _best_seconds(lambda: dst.copy_(src), device) / 1e9
+
+
+_cached_matmul = functools.cache(measure_matmul)
+_cached_memcpy = functools.cache(measure_memcpy)
 
 
 def native_bf16(device: str = "cpu") -> bool:
