@@ -144,12 +144,11 @@ class LeanLlama(nn.Module):
             self.cache.write(layer, step.write_rows, step.positions, k, v)
         if step.decode:  # one token per row, rows [0, n): attend over the cache
             keys, values = self.cache.rows(layer, n, step.width)
-            # GQA without repeating K/V: a kv head's query group plays the "sequence" dim.
-            q = q.reshape(n, kv_heads, heads // kv_heads, dim)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=step.mask, scale=self.scale
-            )
-            return out.reshape(n, heads * dim)
+            # GQA without repeating K/V: each (row, kv head) is one small matmul over its query
+            # group. Plain baddbmm/bmm: SDPA's flash kernel is slower for one query position.
+            q = q.reshape(n * kv_heads, heads // kv_heads, dim)
+            scores = torch.baddbmm(step.bias, q, keys.transpose(1, 2), alpha=self.scale)
+            return torch.bmm(scores.softmax(-1), values).view(n, heads * dim)
         # Packed prefill: pad into [rows, width] only for causal attention.
         q, k, v = (t[step.pad_index].transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
@@ -189,7 +188,8 @@ class LeanRunner:
         """Feed one token per row; fp32 logits after it."""
         positions = self._lengths
         self.model.cache.reserve(len(tokens), max(positions) + 1)
-        logits = self.model(Step.decoding(tokens, positions))
+        step = Step.decoding(tokens, positions, self.model.num_kv_heads, self.model.cache.dtype)
+        logits = self.model(step)
         self._lengths = [n + 1 for n in positions]
         return logits
 
@@ -232,7 +232,7 @@ class Step:
     logits_at: torch.Tensor | None = None
     decode: bool = False
     width: int = 0
-    mask: torch.Tensor
+    bias: torch.Tensor
     pad_index: torch.Tensor
     unpad_index: torch.Tensor
 
@@ -262,7 +262,9 @@ class Step:
         return step
 
     @classmethod
-    def decoding(cls, tokens: list[int], positions: list[int]) -> Step:
+    def decoding(
+        cls, tokens: list[int], positions: list[int], kv_heads: int, dtype: torch.dtype
+    ) -> Step:
         """One token per cache row [0, len(tokens)), at `positions`."""
         step = cls()
         step.decode = True
@@ -270,7 +272,11 @@ class Step:
         step.positions = torch.tensor(positions)
         step.write_rows = torch.arange(len(tokens))
         step.width = max(positions) + 1
-        step.mask = (torch.arange(step.width)[None, :] <= step.positions[:, None])[:, None, None]
+        beyond = torch.arange(step.width)[None, :] > step.positions[:, None]
+        # Additive mask per (row, kv head). Positions past a row's length hold finite stale
+        # values (zeros, or an earlier owner's; rows that went non-finite are zeroed).
+        bias = torch.zeros(beyond.shape, dtype=dtype).masked_fill_(beyond, float("-inf"))
+        step.bias = bias.repeat_interleave(kv_heads, dim=0)[:, None, :]
         return step
 
 
@@ -320,7 +326,9 @@ class SlotCache:
         self.kv[layer, 1, rows, :, positions] = v
 
     def rows(self, layer: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv[layer, :, :n, :, :width]
+        """Keys and values of rows [0, n), positions [0, width): `[n * kv_heads, width, dim]`
+        views (a row's heads are adjacent, so merging the two dims needs no copy)."""
+        kv = self.kv[layer, :, :n, :, :width].flatten(1, 2)
         return kv[0], kv[1]
 
     def keep(self, order: list[int], lengths: list[int]) -> None:

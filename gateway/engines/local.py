@@ -451,22 +451,28 @@ class LocalEngine:
         """Sample one token per request, record it, check stops, deliver the chunk. A row whose
         distribution is not finite ends its own request with an error; returns those requests."""
         params = [r.params for r in reqs]
-        temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype)
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        finite = torch.isfinite(logp).all(-1).tolist()
-        tokens = logits.argmax(-1)
+        temps = [p.temperature or 1.0 for p in params]
+        scaled = logits
+        if any(t != 1.0 for t in temps):
+            scaled = logits / torch.tensor(temps, dtype=logits.dtype)[:, None]
+        # logp = scaled - lse, formed only where needed (the drawn rows, chosen and top tokens).
+        lse = torch.logsumexp(scaled, dim=-1)
+        finite = torch.isfinite(lse).tolist()  # NaN or inf anywhere in a row reaches its lse
+        tokens = scaled.argmax(-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy and finite[i]]
         if drawn:
             tokens[drawn] = _draw(
-                logp[drawn],
+                scaled[drawn] - lse[drawn, None],
                 [params[i].top_k for i in drawn],
                 [params[i].top_p for i in drawn],
                 [reqs[i].rng.random() for i in drawn],  # one draw per sampled token
             )
-        chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+        chosen = (scaled.gather(-1, tokens[:, None])[:, 0] - lse).tolist()
         tokens = tokens.tolist()
-        k = min(max(p.top_logprobs for p in params), logp.shape[-1])
-        top = [t.tolist() for t in logp.topk(k)] if k else None
+        top_ids = top_logps = []
+        if k := min(max(p.top_logprobs for p in params), logits.shape[-1]):
+            values, indices = scaled.topk(k)
+            top_ids, top_logps = indices.tolist(), (values - lse[:, None]).tolist()
         failed = set()
         for i, req in enumerate(reqs):
             p = req.params
@@ -480,7 +486,7 @@ class LocalEngine:
             req.logprobs.append(chosen[i])
             if p.top_logprobs:
                 n = p.top_logprobs
-                req.top_logprobs.append(list(zip(top[1][i][:n], top[0][i][:n], strict=True)))
+                req.top_logprobs.append(list(zip(top_ids[i][:n], top_logps[i][:n], strict=True)))
             req.versions.append(self._version)
             if token in req.stop_ids:
                 req.finish = "stop"
