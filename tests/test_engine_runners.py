@@ -202,3 +202,26 @@ async def test_an_overflowing_temperature_ends_only_its_request(untied_path):
         for got, want in zip(outs[1:], alone, strict=True):
             assert got.output_ids == want.output_ids
         assert eng.load == 0
+
+
+async def test_identical_prompts_are_prefilled_once(tiny_model_path, monkeypatch):
+    """n samples of one prompt (GRPO groups, `n` > 1): one prefill, each its own sample."""
+    packed = []
+    real = _llama.Step.packed.__func__
+
+    def spy(cls, seqs, rows, logits_at):
+        packed.append(len(seqs))
+        return real(cls, seqs, rows, logits_at)
+
+    monkeypatch.setattr(_llama.Step, "packed", classmethod(spy))
+    group = [(PROMPTS[0], sampled(s, temperature=0.9)) for s in range(4)]
+    group += [(PROMPTS[1], GREEDY), (PROMPTS[0], GREEDY), (PROMPTS[1], GREEDY)]
+    async with LocalEngine(tiny_model_path) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in group]
+        packed.clear()
+        together = await run_together(eng, group)
+    assert packed == [2]  # two distinct prompts in the one prefill of seven requests
+    for a, b in zip(alone, together, strict=True):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
+    assert len({tuple(o.output_ids) for o in together[:4]}) == 4  # different seeds, samples

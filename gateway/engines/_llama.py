@@ -176,13 +176,24 @@ class LeanRunner:
         return self.model.weights()
 
     def prefill(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append rows for `seqs`; fp32 logits after each sequence's last token."""
+        """Append rows for `seqs`; fp32 logits after each sequence's last token. Identical
+        sequences (n samples of one prompt) are computed once and the cache row copied."""
         first, lengths = len(self._lengths), [len(s) for s in seqs]
         self.model.cache.reserve(first + len(seqs), max(lengths))
-        ends = torch.tensor(lengths).cumsum(0) - 1
-        logits = self.model(Step.packed(seqs, first, ends.tolist()))
+        firsts: dict[tuple[int, ...], int] = {}
+        source = [firsts.setdefault(tuple(s), i) for i, s in enumerate(seqs)]
+        unique = list(firsts.values())
+        ends = torch.tensor([lengths[i] for i in unique]).cumsum(0) - 1
+        step = Step.packed([seqs[i] for i in unique], [first + i for i in unique], ends.tolist())
+        logits = self.model(step)
+        for i, src in enumerate(source):
+            if src != i:
+                self.model.cache.copy(first + src, first + i, lengths[i])
         self._lengths += lengths
-        return logits
+        if len(unique) == len(seqs):
+            return logits
+        position = {src: j for j, src in enumerate(unique)}
+        return logits[[position[src] for src in source]]
 
     def decode(self, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per row; fp32 logits after it."""
@@ -238,19 +249,17 @@ class Step:
 
     @classmethod
     def packed(
-        cls, seqs: Sequence[Sequence[int]], first_row: int | None, logits_at: list[int]
+        cls, seqs: Sequence[Sequence[int]], rows: list[int] | None, logits_at: list[int]
     ) -> Step:
-        """Sequences packed end to end; cache rows first_row.. (None: no cache writes)."""
+        """Sequences packed end to end, written to these cache rows (None: not written)."""
         step = cls()
         lengths = [len(s) for s in seqs]
         width = max(lengths)
         step.ids = torch.tensor([t for s in seqs for t in s])
         step.positions = torch.cat([torch.arange(n) for n in lengths])
         starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-        if first_row is not None:
-            step.write_rows = torch.repeat_interleave(
-                torch.arange(first_row, first_row + len(seqs)), torch.tensor(lengths)
-            )
+        if rows is not None:
+            step.write_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lengths))
         grid = torch.arange(width)
         valid = grid[None, :] < torch.tensor(lengths)[:, None]
         # A pad repeats its row's last token: padding never mixes rows, so a row that goes
@@ -335,7 +344,11 @@ class SlotCache:
         """Row j becomes old row order[j] (only moved rows are copied)."""
         for j, (src, n) in enumerate(zip(order, lengths, strict=True)):
             if src != j:
-                self.kv[:, :, j, :, :n] = self.kv[:, :, src, :, :n]
+                self.copy(src, j, n)
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Row dst's first n positions := row src's."""
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
 
     def clear(self, row: int) -> None:
         """Zero one row, so that nothing non-finite a failed request left stays in the cache."""
