@@ -76,17 +76,26 @@ def peak_rss_during(fn: Callable[[], object]) -> tuple[object, float, int]:
     return result, seconds, max(peak[0], rss_bytes())
 
 
-def prompts_for(path: Path, batch: int) -> list[list[int]]:
+def prompts_for(path: Path, batch: int, distinct: bool = False) -> list[list[int]]:
+    """The chat prompts of `batch` requests: the questions in turn (so a batch of 32 is 8
+    groups of 4 identical prompts, as n samples per prompt are in RL), or all different."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     out = []
     for i in range(batch):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        if distinct:
+            question = f"Request {i}. {question}"
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            [{"role": "user", "content": question}],
             add_generation_prompt=True,
             tokenize=True,
         )
         out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
     return out
+
+
+def distinct_lengths(prompts: list[list[int]]) -> list[int]:
+    return [len(p) for p in {tuple(p): p for p in prompts}.values()]
 
 
 def hf_runner(model: torch.nn.Module) -> Callable[[list[list[int]], int], list[list[int]]]:
@@ -148,6 +157,9 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
+    parser.add_argument(
+        "--distinct", action="store_true", help="all prompts different (no shared prefill)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,10 +186,10 @@ def main() -> None:
 
     rows = []
     for batch in batches:
-        prompts = prompts_for(path, batch)
+        prompts = prompts_for(path, batch, args.distinct)
         outs, seconds, extra = {}, {k: float("inf") for k in sides}, dict.fromkeys(sides, 0)
         for _ in range(args.repeats):  # machine, HF, engine in turn: load changes hit all
-            probe(batch, sum(len(p) for p in prompts))
+            probe(batch, sum(distinct_lengths(prompts)))
             for name, run in sides.items():
                 before = rss_bytes()
                 outs[name], took, peak = peak_rss_during(
@@ -189,16 +201,24 @@ def main() -> None:
     asyncio.run(engine.close())
 
     lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
+    distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
         f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with both "
-        f"models loaded {baseline / 2**20:.0f} MiB\n"
-        f"machine: {machine.describe()}; memcpy {memcpy[0]:.1f} GB/s"
+        f"models loaded {baseline / 2**20:.0f} MiB"
     )
+    for b in batches:
+        if len(distinct[b]) < b:
+            print(
+                f"batch {b}: {len(distinct[b])} distinct prompts, {sum(distinct[b])} of "
+                f"{sum(lengths[b])} prompt tokens (the engine and the roofline prefill each "
+                "distinct prompt once, HF generate all)"
+            )
+    print(f"machine: {machine.describe()}; memcpy {memcpy[0]:.1f} GB/s")
     print("\nmeasured linear-layer GFLOP/s, best kernel, [m, k] x [k, n]:")
     names = {**{v: k for k, v in shape.linears().items()}, (shape.hidden, shape.vocab): "lm_head"}
     for batch in batches:
-        for m, what in ((sum(lengths[batch]), "prefill"), (batch, "decode")):
+        for m, what in ((sum(distinct[batch]), "prefill"), (batch, "decode")):
             got = [
                 f"{names[i, o]} {r:.0f}"
                 for (mm, i, o), r in rates.items()
@@ -220,13 +240,20 @@ def main() -> None:
         new = batch * args.max_tokens
         hf_tps, en_tps = (new / seconds[k] for k in ("hf", "engine"))
         bound = machine.generation_seconds(
-            shape, lengths[batch], args.max_tokens, lambda *mkn: rates[mkn], memcpy[0]
+            shape,
+            lengths[batch],
+            args.max_tokens,
+            lambda *mkn: rates[mkn],
+            memcpy[0],
+            distinct=distinct[batch],
         )
         roof_tps = new / bound
-        flops = shape.forward_flops(
-            sum(lengths[batch]) + new - batch,
-            logits=new,
-            attended=machine.causal_attended([n + args.max_tokens - 1 for n in lengths[batch]]),
+        steps = args.max_tokens - 1  # decode steps after the prefill's token
+        flops = shape.forward_flops(  # what the engine computes: prefill, then the steps
+            sum(distinct[batch]), logits=batch, attended=machine.causal_attended(distinct[batch])
+        ) + shape.forward_flops(
+            batch * steps,
+            attended=sum(n * steps + steps * (steps + 1) // 2 for n in lengths[batch]),
         )
         same = sum(
             agree(a, b.output_ids, engine.eos_token_ids)

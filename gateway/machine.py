@@ -115,14 +115,17 @@ def generation_seconds(
     matmul_gflops: Callable[[int, int, int], float],
     memory_gbps: float,
     dtype: torch.dtype = torch.float32,
+    distinct: Sequence[int] | None = None,
 ) -> float:
     """Roofline: the least time to prefill `prompts` (their lengths) and then decode them
     together until each has `new_tokens` new tokens, at these rates.
 
-    Prefill: its matmuls (real tokens only; logits of each prompt's last position) at the
-    rates of their shapes, or one read of the weights if slower. Each decode step: the larger
-    of its matmuls at the batch's shapes and one read of the weights plus the KV cache."""
-    rows, tokens = len(prompts), sum(prompts)
+    Prefill: its matmuls (real tokens only, of the `distinct` prompts if some prompts are
+    identical; logits of each prompt's last position) at the rates of their shapes, or one read
+    of the weights if slower. Each decode step: the larger of its matmuls at the batch's
+    shapes and one read of the weights plus the KV cache."""
+    rows = len(prompts)
+    distinct = prompts if distinct is None else distinct
 
     def matmuls(m: int, logits: int, attended: int) -> float:
         seconds = sum(
@@ -140,7 +143,7 @@ def generation_seconds(
         return seconds + attention / (matmul_gflops(m, shape.hidden, shape.hidden) * 1e9)
 
     weights = shape.weight_bytes(dtype) / (memory_gbps * 1e9)
-    total = max(matmuls(tokens, rows, causal_attended(prompts)), weights)
+    total = max(matmuls(sum(distinct), rows, causal_attended(distinct)), weights)
     kv_bytes_per_position = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
     for step in range(1, new_tokens):
         context = [n + step for n in prompts]

@@ -62,6 +62,10 @@ def test_generation_roofline_by_hand():
 
     slow_head = machine.generation_seconds(TOY, [2], 2, rates, 1e3)
     assert slow_head == pytest.approx(0.168 + 0.112 + 2 * 0.032)
+    # Two identical prompts prefilled once: the prefill's matmuls but for its 2 logits rows
+    # (2*2*28 + 2*2*2*8 + 24 = 200 FLOPs), then two rows per decode step (2*112 FLOPs).
+    shared = machine.generation_seconds(TOY, [2, 2], 2, lambda m, k, n: 1e-6, 1e3, distinct=[2])
+    assert shared == pytest.approx(0.200 + 0.224)
 
 
 def test_probes_measure_something_and_are_cached():
