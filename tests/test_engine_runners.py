@@ -225,3 +225,22 @@ async def test_identical_prompts_are_prefilled_once(tiny_model_path, monkeypatch
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
     assert len({tuple(o.output_ids) for o in together[:4]}) == 4  # different seeds, samples
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_lean_forward_in_half_precision(tiny_model_path, dtype):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=getattr(torch, dtype))
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8)
+    async with LocalEngine(tiny_model_path, dtype=dtype) as eng:
+        assert eng.forward == "lean"
+        out = await eng.generate(
+            prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        )
+    assert out.output_ids == want[0, len(prompt) :].tolist()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.output_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+    ref = ref.gather(-1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=2e-2, rtol=0)

@@ -8,37 +8,51 @@ request gets its own `asyncio.Queue`, filled by the engine thread with
 loop (the gateway) stays responsive while the engine computes.
 
 Each loop iteration: run pending commands (submit, abort, score, pause/resume, weight swap),
-prefill newcomers as one left-padded batch into a fresh `DynamicCache`, sample their first
-token, merge that cache into the running batch cache (left-padding the shorter one), then one
-decode step for every running row; finished rows leave by `index_select` and the common left
-padding is trimmed. Every running row keeps one sampled-but-not-yet-fed token, so newcomers
-and old rows share the same decode step. Positions come from the attention mask, so padding
-never shifts a row's RoPE positions.
+prefill newcomers (prompt + output so far) as new batch rows and sample their first token,
+then one decode step for every running row; finished rows leave. Every running row keeps one
+sampled-but-not-yet-fed token, so newcomers and old rows share the same decode step.
 
-Reused from transformers: the model forward (`attention_mask` + `position_ids` +
-`logits_to_keep`) and its `DynamicCache`, whose per-layer key/value tensors we pad, concatenate
-and select by batch index. transformers' own continuous-batching manager
-(`generation/continuous_batching`) is not used: it samples the whole batch with one global
-`do_sample` and one RNG (no per-request seed), reports logprobs of the warped (top-p/top-k)
-distribution, has no stop strings, and no hook to swap weights between steps.
+The model runs behind a small `Runner` interface, two implementations:
+- `_llama.LeanRunner` for Llama-family configs (the embedded SmolLM2): a lean forward with
+  fused q/k/v and gate/up weights over a preallocated slot KV cache (no per-step padding,
+  concatenation or `index_select`; a leaving row's place is taken by the last row, one copy);
+  identical sequences in one prefill (n samples of a prompt) are computed once.
+- `_hf.HFRunner` for any other causal LM (or `forward="transformers"`): transformers' own
+  forward and a left-padded `DynamicCache`. `LocalEngine.forward` says which one runs.
+transformers' continuous-batching manager (`generation/continuous_batching`) is not used: it
+samples the whole batch with one global `do_sample` and one RNG (no per-request seed),
+reports logprobs of the warped (top-p/top-k) distribution, has no stop strings, and no hook
+to swap weights between steps.
 
 Semantics worth knowing:
 - Logprobs: `log_softmax(logits / T)[sampled token]` with T = 1 for greedy, NOT renormalized
   by top-p/top-k, because the trainer divides its logits by the same temperature; top logprobs
   (`SamplingParams.top_logprobs`) are the k largest entries of the same distribution.
-- Seeds: every request samples with its own `torch.Generator` (seeded from `seed`, or randomly),
-  so a seeded request is reproducible whatever its batch neighbours are.
+- Sampling is one batched pass over all rows, no per-row tensor work: temperature, top-k (by
+  the k-th largest value), top-p (its nucleus searched among the `NUCLEUS_CANDIDATES` most
+  likely tokens, a full sort only for rows whose nucleus is wider), then the inverse CDF of
+  each row at that request's own uniform draw.
+- Seeds: every request owns a `random.Random` stream (seeded from `seed`, or from the OS) and
+  draws exactly one uniform per sampled token, so a seeded request is reproducible whatever its
+  batch neighbours are (its tokens depend only on its own logits and its own stream).
+- Failure isolation: a row whose distribution is not finite ends its own request, alone, with
+  a `ValueError` when its temperature made finite logits overflow (the gateway's 400) or an
+  `EngineError` when the model's logits themselves are NaN/inf; the other rows go on unharmed
+  (padding never mixes rows; the failed row's cache is zeroed). Positive temperatures below
+  float32's smallest normal number are refused up front (`ValueError` from `stream`).
 - Stop strings are searched in the decoded output; the token completing the match is kept.
 - `update_weights` is applied by the engine thread between steps (all tensors or none, shapes
-  checked before anything is queued); running requests are then re-prefilled with the new
-  weights (prompt + output so far), so every token stamped `version` is exactly what a fresh
-  engine with those weights would sample from the same prefix.
+  checked before anything is queued), one `copy_` per tensor into the live weights (with the
+  lean forward, views of its fused buffers); running requests are then re-prefilled with the
+  new weights (prompt + output so far), so every token stamped `version` is exactly what a
+  fresh engine with those weights would sample from the same prefix.
 - `pause("abort")` ends running and queued requests; `"retract"` drops their cache and
   re-queues them (recomputed on resume, their streams continue); `"in_place"` keeps everything.
   Requests submitted while paused wait for `resume()`; `score` still runs while paused.
-- `score` is prefill-only at T = 1 (teachers); sequences of concurrent calls share forwards.
-- Cost of a swap: one prefill of every running request. The batch cache is a plain
-  `DynamicCache` of full-attention layers; sliding-window / hybrid models are untested.
+- `score` is prefill-only at T = 1 (teachers), with logits only at the scored positions (lean
+  forward); sequences of concurrent calls share forwards.
+- Cost of a swap: one prefill of every running request. Both caches hold full-attention
+  layers only; sliding-window / hybrid models (transformers' forward) are untested.
 """
 
 from __future__ import annotations
