@@ -7,8 +7,12 @@ the trainer's `dtype: auto` asks `auto_dtype`, and MFU divides counted FLOPs by 
   capability: load from other processes only ever slows it down) and are cached per process.
 - `matmul_gflops(m, k, n)` times `x[m, k] @ w[n, k].T` (a linear layer) with the fastest kernel
   torch has here: `F.linear` (MKL on x86) and, on CPUs, oneDNN's linear. The same weight is
-  reused, so it is cache-hot: at small m a matmul is bounded by memory instead, which
-  `memcpy_gbps` measures (bytes copied per second, buffers well beyond the last-level cache).
+  reused, so it is cache-hot: at small m a matmul is bounded by memory instead.
+- Memory, with buffers well beyond the last-level cache: `memcpy_gbps` is bytes copied per
+  second (what a transfer that runs at memcpy speed shows), `read_gbps` bytes read per second
+  by a reduction. A decode step at batch 1 only reads its weights, so the roofline's memory
+  term uses the read rate; a copy moves each byte twice (read, then write), so memcpy's rate
+  would understate the roof (here by ~2x).
 - `native_bf16` is what the hardware says (CUDA; AVX512-BF16 or AMX on x86), not a timing:
   on CPUs without it (AVX2-only laptops and VMs) bf16 matmuls are emulated and 6-15x slower
   than fp32. `auto_dtype` picks bf16 only where it is native AND measured faster.
@@ -113,7 +117,7 @@ def generation_seconds(
     prompts: Sequence[int],
     new_tokens: int,
     matmul_gflops: Callable[[int, int, int], float],
-    memory_gbps: float,
+    read_gbps: float,
     dtype: torch.dtype = torch.float32,
     distinct: Sequence[int] | None = None,
 ) -> float:
@@ -142,12 +146,12 @@ def generation_seconds(
         attention = shape.forward_flops(0, 0, attended)
         return seconds + attention / (matmul_gflops(m, shape.hidden, shape.hidden) * 1e9)
 
-    weights = shape.weight_bytes(dtype) / (memory_gbps * 1e9)
+    weights = shape.weight_bytes(dtype) / (read_gbps * 1e9)
     total = max(matmuls(sum(distinct), rows, causal_attended(distinct)), weights)
     kv_bytes_per_position = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
     for step in range(1, new_tokens):
         context = [n + step for n in prompts]
-        kv = sum(context) * kv_bytes_per_position / (memory_gbps * 1e9)
+        kv = sum(context) * kv_bytes_per_position / (read_gbps * 1e9)
         total += max(matmuls(rows, rows, sum(context)), weights + kv)
     return total
 
@@ -193,6 +197,21 @@ def measure_memcpy(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
 
 _cached_matmul = functools.cache(measure_matmul)
 _cached_memcpy = functools.cache(measure_memcpy)
+
+
+def read_gbps(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """Measured bytes read per second (GB/s) from a large buffer (cached)."""
+    return _cached_read(str(device), nbytes)
+
+
+def measure_read(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """`read_gbps` measured now."""
+    device = str(device)
+    src = torch.ones(nbytes // 4, device=device)
+    return nbytes / _best_seconds(src.sum, device) / 1e9
+
+
+_cached_read = functools.cache(measure_read)
 
 
 def native_bf16(device: str = "cpu") -> bool:

@@ -244,3 +244,24 @@ async def test_lean_forward_in_half_precision(tiny_model_path, dtype):
     ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
     ref = ref.gather(-1, torch.tensor(out.output_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.slow
+async def test_smollm2_bystanders_unharmed_by_an_overflowing_temperature(smollm2_path):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        for q in ("What is 2+2?", "Name a colour.", "Say hello.")
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    bystanders = [(prompts[1], GREEDY), (prompts[2], sampled(3, temperature=0.7, top_k=40))]
+    async with LocalEngine(smollm2_path) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in bystanders]
+        bad = (prompts[0], sampled(1, temperature=2e-38))  # a normal float32; logits/T = inf
+        outs = await run_together(eng, [bad, *bystanders])
+    assert isinstance(outs[0], ValueError) and "temperature" in str(outs[0])
+    for got, want in zip(outs[1:], alone, strict=True):
+        assert got.output_ids == want.output_ids
+        torch.testing.assert_close(got.output_logprobs, want.output_logprobs, atol=1e-4, rtol=0)

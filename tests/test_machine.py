@@ -73,6 +73,7 @@ def test_probes_measure_something_and_are_cached():
     first = machine.matmul_gflops(8, 16, 32)
     assert first > 0 and machine.matmul_gflops(8, 16, 32) == first
     assert machine.measure_memcpy(nbytes=2**20) > 0
+    assert machine.measure_read(nbytes=2**20) > 0
     assert "bf16 native" in machine.describe()
     assert isinstance(machine.native_bf16(), bool)
 
