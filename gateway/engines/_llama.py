@@ -6,8 +6,10 @@ per step, three projections where one would do). This module runs the same maths
 
 - fused weights: one `qkv` projection and one `gate_up` projection per layer (the HF tensors
   `q_proj/k_proj/v_proj` and `gate_proj/up_proj` are row-slices of them, so `weights()` hands
-  out views and a weight swap is one `copy_` per tensor straight into the fused buffers);
-  the rest (embeddings, tied LM head, `o_proj`, `down_proj`, norms) are HF's own tensors;
+  out views and a weight swap is one `copy_` per tensor straight into the fused buffers).
+  `qkv`, `o_proj` and `gate_up` are stored input-major (see `_input_major`; a swap copies into
+  them transposing, ~2 GB/s); the rest (embeddings, tied LM head, `down_proj`, norms) are HF's
+  own tensors;
 - RoPE tables precomputed once for every position;
 - a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
   holds one sequence from position 0, never padded on the left: a decode step writes one
@@ -80,10 +82,10 @@ class LeanLlama(nn.Module):
             mlp = [hf[p + f"mlp.{n}_proj.weight"].data for n in ("gate", "up")]
             layer = {
                 "ln1": hf[p + "input_layernorm.weight"].data,
-                "qkv": torch.cat(attn),
-                "o": hf[p + "self_attn.o_proj.weight"].data,
+                "qkv": _input_major(torch.cat(attn)),
+                "o": _input_major(hf[p + "self_attn.o_proj.weight"].data),
                 "ln2": hf[p + "post_attention_layernorm.weight"].data,
-                "gate_up": torch.cat(mlp),
+                "gate_up": _input_major(torch.cat(mlp)),
                 "down": hf[p + "mlp.down_proj.weight"].data,
             }
             self.layers.append(layer)
@@ -367,6 +369,13 @@ def _rows(
         out[name] = fused[start : start + part.shape[0]]
         start += part.shape[0]
     return out
+
+
+def _input_major(weight: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] weight, stored as an [in, out] buffer (this is a transposed view of
+    it). MKL multiplies by it 1.2-1.6x faster than by HF's layout at batch 1 (and for gate_up
+    at batch 32) on an AVX2 EPYC; down_proj and the LM head are faster as they are."""
+    return weight.t().contiguous().t()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
