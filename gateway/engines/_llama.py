@@ -80,23 +80,25 @@ class LeanLlama(nn.Module):
             p = f"model.layers.{i}."
             attn = [hf[p + f"self_attn.{n}_proj.weight"].data for n in "qkv"]
             mlp = [hf[p + f"mlp.{n}_proj.weight"].data for n in ("gate", "up")]
+            down = hf[p + "mlp.down_proj.weight"].data
+            # Every matmul weight as [in, out] (x @ w); see _input_major for which are copies.
             layer = {
                 "ln1": hf[p + "input_layernorm.weight"].data,
                 "qkv": _input_major(torch.cat(attn)),
                 "o": _input_major(hf[p + "self_attn.o_proj.weight"].data),
                 "ln2": hf[p + "post_attention_layernorm.weight"].data,
                 "gate_up": _input_major(torch.cat(mlp)),
-                "down": hf[p + "mlp.down_proj.weight"].data,
+                "down": down.t(),  # HF's own tensor, transposed view
             }
             self.layers.append(layer)
             names = {
                 "input_layernorm": layer["ln1"],
-                "self_attn.o_proj": layer["o"],
+                "self_attn.o_proj": layer["o"].t(),
                 "post_attention_layernorm": layer["ln2"],
-                "mlp.down_proj": layer["down"],
+                "mlp.down_proj": down,
             }
-            names.update(_rows(layer["qkv"], [f"self_attn.{n}_proj" for n in "qkv"], attn))
-            names.update(_rows(layer["gate_up"], ["mlp.gate_proj", "mlp.up_proj"], mlp))
+            names.update(_columns(layer["qkv"], [f"self_attn.{n}_proj" for n in "qkv"], attn))
+            names.update(_columns(layer["gate_up"], ["mlp.gate_proj", "mlp.up_proj"], mlp))
             self._views.update({f"{p}{n}.weight": t for n, t in names.items()})
         missing = set(hf) - set(self._views)
         assert not missing, f"weights the lean forward does not use: {sorted(missing)}"
@@ -123,29 +125,42 @@ class LeanLlama(nn.Module):
     # --------------------------------------------------------------------------- forward
 
     def forward(self, step: Step) -> torch.Tensor:
-        """fp32 logits for `step.logits_at` (packed token indices); writes the cache if asked."""
+        """fp32 logits for `step.logits_at` (packed token indices); writes the cache if asked.
+
+        One dispatch per matmul (`mm`, residuals folded in by `addmm_`), cache views and write
+        indices built once per step, not per layer: at batch 1 the step is ~30% dispatch."""
         x = self.embed[step.ids]
         cos, sin = self.cos[step.positions, None], self.sin[step.positions, None]
+        where = (
+            None if step.write_rows is None else self.cache.index(step.write_rows, step.positions)
+        )
+        window = self.cache.window(len(step.ids), step.width) if step.decode else None
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer["ln1"])
-            attn = self._attention(i, F.linear(h, layer["qkv"]), cos, sin, step)
-            x = x + F.linear(attn, layer["o"])
-            gate, up = F.linear(self._norm(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate).mul_(up), layer["down"])
+            qkv = torch.mm(self._norm(x, layer["ln1"]), layer["qkv"])
+            x.addmm_(self._attention(i, qkv, cos, sin, step, where, window), layer["o"])
+            gate, up = torch.mm(self._norm(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
+            x.addmm_(F.silu(gate).mul_(up), layer["down"])
         x = x[step.logits_at] if step.logits_at is not None else x
         return self._head(self._norm(x, self.norm), self.lm_head).float()
 
     def _attention(
-        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: Step,
+        where: tuple[torch.Tensor, ...] | None,
+        window: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
     ) -> torch.Tensor:
         n, heads, kv_heads, dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = qkv.view(n, heads + 2 * kv_heads, dim)
         qk = _rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k heads in one go
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        if step.write_rows is not None:
-            self.cache.write(layer, step.write_rows, step.positions, k, v)
-        if step.decode:  # one token per row, rows [0, n): attend over the cache
-            keys, values = self.cache.rows(layer, n, step.width)
+        if where is not None:
+            self.cache.write(layer, where, k, v)
+        if window is not None:  # decode: one token per row, rows [0, n), over the cache
+            keys, values = window[0][layer], window[1][layer]
             # GQA without repeating K/V: each (row, kv head) is one small matmul over its query
             # group. Plain baddbmm/bmm: SDPA's flash kernel is slower for one query position.
             q = q.reshape(n * kv_heads, heads // kv_heads, dim)
@@ -308,7 +323,12 @@ class SlotCache:
         self.shape = (layers, 2, 0, kv_heads, 0, head_dim)
         self.max_rows, self.max_positions = max_rows, max_positions
         self.dtype = dtype
-        self.kv = torch.zeros(self.shape, dtype=dtype)
+        self._heads = torch.arange(kv_heads)[None, :]
+        self._use(torch.zeros(self.shape, dtype=dtype))
+
+    def _use(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self._keys, self._values = kv[:, 0].unbind(0), kv[:, 1].unbind(0)  # per layer
 
     def reserve(self, rows: int, positions: int) -> None:
         """Room for `rows` rows of `positions` tokens (capacities double; contents kept)."""
@@ -323,24 +343,24 @@ class SlotCache:
         layers, _, _, kv_heads, _, dim = self.kv.shape
         kv = torch.zeros((layers, 2, new_rows, kv_heads, new_pos, dim), dtype=self.dtype)
         kv[:, :, :have_rows, :, :have_pos] = self.kv
-        self.kv = kv
+        self._use(kv)
+
+    def index(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`write`'s index for one token per (row, position) pair."""
+        return rows[:, None], self._heads, positions[:, None]
 
     def write(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, layer: int, index: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        self.kv[layer, 0, rows, :, positions] = k
-        self.kv[layer, 1, rows, :, positions] = v
+        """k, v: [tokens, kv_heads, head_dim], at `index` (from `index`)."""
+        self._keys[layer].index_put_(index, k)
+        self._values[layer].index_put_(index, v)
 
-    def rows(self, layer: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of rows [0, n), positions [0, width): `[n * kv_heads, width, dim]`
-        views (a row's heads are adjacent, so merging the two dims needs no copy)."""
-        kv = self.kv[layer, :, :n, :, :width].flatten(1, 2)
-        return kv[0], kv[1]
+    def window(self, n: int, width: int) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """Per layer, keys and values of rows [0, n), positions [0, width), as
+        `[n * kv_heads, width, head_dim]` views (a row's heads are adjacent: no copy)."""
+        kv = self.kv[:, :, :n, :, :width].flatten(2, 3)
+        return kv[:, 0].unbind(0), kv[:, 1].unbind(0)
 
     def keep(self, order: list[int], lengths: list[int]) -> None:
         """Row j becomes old row order[j] (only moved rows are copied)."""
@@ -357,25 +377,25 @@ class SlotCache:
         self.kv[:, :, row].zero_()
 
     def reset(self) -> None:
-        self.kv = torch.zeros(self.shape, dtype=self.dtype)
+        self._use(torch.zeros(self.shape, dtype=self.dtype))
 
 
-def _rows(
-    fused: torch.Tensor, names: list[str], parts: list[torch.Tensor]
+def _columns(
+    buffer: torch.Tensor, names: list[str], parts: list[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Views of `fused` for the row blocks it was concatenated from."""
+    """[out, in] views of an [in, out] `buffer`, one per column block it was built from."""
     out, start = {}, 0
     for name, part in zip(names, parts, strict=True):
-        out[name] = fused[start : start + part.shape[0]]
+        out[name] = buffer[:, start : start + part.shape[0]].t()
         start += part.shape[0]
     return out
 
 
 def _input_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same [out, in] weight, stored as an [in, out] buffer (this is a transposed view of
-    it). MKL multiplies by it 1.2-1.6x faster than by HF's layout at batch 1 (and for gate_up
-    at batch 32) on an AVX2 EPYC; down_proj and the LM head are faster as they are."""
-    return weight.t().contiguous().t()
+    """An [out, in] weight copied into a contiguous [in, out] buffer. MKL multiplies by these
+    1.2-1.6x faster than by HF's [out, in] layout at batch 1 (gate_up also at batch 32) on an
+    AVX2 EPYC; down_proj and the LM head are as fast or faster in HF's layout, so they stay."""
+    return weight.t().contiguous()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
