@@ -606,7 +606,10 @@ class LocalEngine:
     def _swap_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad():
             for name, tensor in state.items():
-                self._weights[name].copy_(tensor)
+                live = self._weights[name]
+                if live.dim() == 2 and live.stride(0) < live.stride(1):  # a transposed buffer
+                    live, tensor = live.t(), tensor.t()  # write in the buffer's order: ~3x faster
+                live.copy_(tensor)
         self._version = version
         self._retract_all()  # recompute running requests' cache with the new weights
 
