@@ -135,7 +135,10 @@ def test_checkpoint_resume_reproduces_the_next_step(tiny_model_path, tmp_path):
     torch.rand(3)
     assert torch.equal(torch.rand(1), expected)  # RNG restored
     mb = b.train_step(batch)
-    assert ma == mb
+    timed = ("perf/train_tflops", "perf/mfu")  # FLOPs over wall time: the only clock-dependent ones
+    assert {k: v for k, v in ma.items() if k not in timed} == {
+        k: v for k, v in mb.items() if k not in timed
+    }
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
 

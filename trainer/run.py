@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from envs.eval import evaluate
@@ -87,8 +88,29 @@ class EnvEvaluator:
         }
 
 
+def resolve_dtype(cfg: TrainerConfig) -> str:
+    """Settle `train.dtype: auto` (by `machine.auto_dtype`) in `cfg`, with a local engine left at
+    float32 following the trainer, so both run in one dtype; returns the run header's line."""
+    from gateway import machine
+    from trainer.backends.torch_backend import train_device, train_dtype
+
+    device = train_device(cfg.train.device)
+    asked = cfg.train.dtype
+    dtype = train_dtype(asked, device)
+    cfg.train.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if asked == "auto" and cfg.engine.kind == "local" and cfg.engine.dtype == "float32":
+        cfg.engine.dtype = str(dtype).removeprefix("torch.")
+    engine = f", engine {cfg.engine.dtype}" if cfg.engine.kind == "local" else ""
+    return (
+        f"trainer.run: {machine.describe(str(device))}; "
+        f"train.dtype={asked} -> {cfg.train.dtype}{engine}"
+    )
+
+
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     """Run `cfg` to the end; everything started here is stopped before returning."""
+    if cfg.train.kind == "torch":
+        print(resolve_dtype(cfg), file=sys.stderr, flush=True)
     if cfg.agent.kind == "command" and cfg.agent.sandbox.kind == "docker":
         # Fail before loading anything, not with every rollout aborted.
         if why := docker_unavailable(cfg.agent.sandbox.image):
