@@ -17,7 +17,9 @@ long rollouts are trained on rather than dropped as too stale.
 
 Rollouts come from a `RolloutSource` (AgentFlow over the gateway in `trainer.run`; anything that
 returns a Trajectory in tests). A rollout that raises becomes an `error` trajectory: data, not a
-crash. Evaluation (an `Evaluator`) runs at step 0, every `eval.every` steps and at the end.
+crash. Evaluation (an `Evaluator`) runs at step 0, every `eval.every` steps and at the end. One
+in mid-run does not hold the trainer: it runs beside the next train step and is awaited before
+that step's weight push (so it sees one version); its step's metrics line is written then.
 
 Checkpoints hold the backend state and the controller's: the prompt stream position, the next
 group id and the prompts admitted but not yet trained (re-admitted first on resume, under their
@@ -272,6 +274,18 @@ class Controller:
     async def _evaluate(self) -> dict[str, float]:
         return await self.evaluator.evaluate(self.version) if self.evaluator else {}
 
+    async def _timed_eval(self) -> tuple[dict[str, float], float]:
+        start = time.monotonic()
+        return await self._evaluate(), time.monotonic() - start
+
+    async def _log_with_eval(
+        self, version: int, metrics: dict[str, float], task: asyncio.Task
+    ) -> dict[str, float]:
+        """Log a step's metrics once its overlapped eval is done; returns the eval's."""
+        result, seconds = await task
+        self.log.log(version, metrics | result | {"time/eval_s": seconds})
+        return result
+
     def _trim_samples(self, resume_step: int | None) -> None:
         """A fresh run starts samples.jsonl empty; a resumed one drops the steps it redoes."""
         path = self.run_dir / "samples.jsonl"
@@ -335,6 +349,7 @@ class Controller:
         admission = asyncio.create_task(self._admit())
         last_end = time.monotonic()
         last_eval: dict[str, float] = dict(summary.eval_first)
+        pending: tuple[int, dict[str, float], asyncio.Task] | None = None
         try:
             while self.version < cfg.run.steps:
                 t = StepTimes()
@@ -344,9 +359,13 @@ class Controller:
                 samples = samples_from_batch(batch, cfg.algorithm.advantage)
                 train_metrics = await asyncio.to_thread(self.backend.train_step, samples)
                 t2 = time.monotonic()
+                if pending is not None:  # the last version's eval ran beside this train step
+                    last_eval = await self._log_with_eval(*pending)
+                    pending = None
+                t2b = time.monotonic()  # waiting for that eval is neither training nor sync
                 report = await self.push.push(self.backend.state_dict(), self.version + 1)
                 t3 = time.monotonic()
-                t.wait, t.train, t.sync = t1 - t0, t2 - t1, t3 - t2
+                t.wait, t.train, t.sync = t1 - t0, t2 - t1, t3 - t2b
                 self._write_samples(batch)
                 async with self._cond:
                     self.version += 1
@@ -356,11 +375,15 @@ class Controller:
                 metrics |= self.batcher.metrics()
                 last = self.version == cfg.run.steps
                 every = cfg.eval.every
-                if last or (every and self.version % every == 0):
+                if last:
                     te = time.monotonic()
                     last_eval = await self._evaluate()
                     metrics |= last_eval
                     t.eval = time.monotonic() - te
+                elif every and self.version % every == 0:
+                    # Evaluate the engines' weights of this version while the next step
+                    # trains; they are not replaced (pushed) until it is done.
+                    pending = (self.version, metrics, asyncio.create_task(self._timed_eval()))
                 ce = cfg.run.checkpoint_every
                 if last or (ce and self.version % ce == 0):
                     tc = time.monotonic()
@@ -390,7 +413,8 @@ class Controller:
                     summary.reward_first = metrics["reward/mean"]
                 summary.reward_last = metrics["reward/mean"]
                 self.batches = [batch]
-                self.log.log(self.version, metrics)
+                if pending is None:
+                    self.log.log(self.version, metrics)  # else with its eval, once done
                 postfix = {"reward": f"{metrics['reward/mean']:.3f}"}
                 postfix |= {k.split("/")[-1]: f"{v:.3f}" for k, v in last_eval.items()}
                 bar.set_postfix(postfix)
@@ -398,6 +422,8 @@ class Controller:
         finally:
             bar.close()
             admission.cancel()
+            if pending is not None:
+                pending[2].cancel()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(admission, *self._tasks, return_exceptions=True)

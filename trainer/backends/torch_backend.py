@@ -5,10 +5,21 @@ minibatches they come from a no-grad forward first; with one (the default) they 
 current log-probs, detached, since no update has happened yet, and that forward is skipped
 (a quarter of the step's compute). The reference model's log-probs (KL term) come from a
 no-grad forward. The batch is split into `num_minibatches` optimizer steps, each accumulated
-over micro-batches that fit `micro_batch_tokens` padded tokens. Log-probs are those of the
+over micro-batches of at most `micro_batch_tokens` packed tokens. Log-probs are those of the
 sampling distribution, log_softmax(logits / temperature), exactly what the engine reports.
-`bf16` keeps fp32 master weights and optimizer state and runs forward/backward under bf16
-autocast.
+
+Packing (`Pack`): a GRPO group's samples share their prompt, which is most of their tokens in
+single-turn RL (quickstart: ~100 prompt tokens, 16-64 generated). A micro-batch row holds the
+prompt once and every continuation of it after it; a 4D mask lets each continuation attend to
+the prompt and its own earlier tokens only, at its own positions, so the log-probs and the
+gradients are those of separate forwards (tests compare them with a padded one), for a
+fraction of the FLOPs. Only loss positions go through the LM head.
+
+`dtype`: `bf16` keeps fp32 master weights and optimizer state and runs forward/backward under
+bf16 autocast; `auto` asks `gateway.machine.auto_dtype` (bf16 only where native and faster).
+Every step reports `perf/train_tflops` (FLOPs counted by `machine.ModelShape` for the tokens
+the packed forwards compute, over the step's wall time) and `perf/mfu` (that over the measured
+matmul rate of the model's gate/up projection, `peak_gflops`).
 """
 
 from __future__ import annotations
