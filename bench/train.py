@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 import envs  # noqa: F401  (registers loongsage/Calc-v0)
 from gateway import machine
 from gateway.models import resolve_model
-from trainer.backends import TrainSample
+from trainer.backends.base import TrainSample, micro_batches
 from trainer.backends.torch_backend import PEAK_ROWS, Pack, TorchBackend, pack
 from trainer.config import AlgorithmConfig, TrainBackendConfig
 
@@ -42,13 +42,7 @@ class PaddedBackend(TorchBackend):
     """The step with the layout it had before packing: one padded row per sample."""
 
     def _packs(self, idx: list[int], samples: list[TrainSample]) -> list[Pack]:
-        batches: list[list[int]] = []
-        for i in sorted(idx, key=lambda i: -len(samples[i].token_ids)):
-            width = len(samples[batches[-1][0]].token_ids) if batches else 0
-            if batches and width * (len(batches[-1]) + 1) <= self.cfg.micro_batch_tokens:
-                batches[-1].append(i)
-            else:
-                batches.append([i])
+        batches = micro_batches(idx, samples, self.cfg.micro_batch_tokens)
         return [pack(samples, [[i] for i in b], self.device) for b in batches]
 
 

@@ -27,20 +27,26 @@ from __future__ import annotations
 import copy
 import math
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway import machine
+from gateway.models import resolve_model
 from trainer.algorithms import policy_loss, reduce_metrics
-from trainer.backends import TrainSample
-from trainer.config import AlgorithmConfig, TrainBackendConfig
+from trainer.backends.base import (
+    TrainSample,
+    check_samples,
+    lr_factor,
+    pad_rows,
+    rng_state,
+    set_rng_state,
+)
+from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 CHECKPOINT_FILE = "trainer.pt"
 PEAK_ROWS = 1024
@@ -53,18 +59,6 @@ def train_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"train.device={name} but no CUDA GPU is visible; use train.device=cpu")
     return torch.device(name)
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the peak LR at train step `step` (0-based)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -238,8 +232,6 @@ class TorchBackend:
             (enable or self.model.gradient_checkpointing_enable)()
         self.model.train()  # HF only checkpoints in train mode; these models have no dropout
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.ref_model = None
         if algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -253,6 +245,18 @@ class TorchBackend:
         )
         self._step = 0
 
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> TorchBackend:
+        """The backend of a run (`train.kind=torch`): cfg.model trained with cfg.train."""
+        return cls(
+            resolve_model(cfg.model.name),
+            cfg.train,
+            cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            total_steps=cfg.run.steps,
+            seed=cfg.run.seed,
+        )
+
     @property
     def step(self) -> int:
         return self._step
@@ -265,11 +269,7 @@ class TorchBackend:
         )
 
     def _pad(self, rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), value, dtype=dtype)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-        return out.to(self.device)
+        return pad_rows(rows, value, dtype).to(self.device)
 
     def _packs(self, idx: list[int], samples: list[TrainSample]) -> list[Pack]:
         """Micro-batches of `micro_batch_tokens` packed tokens (rows * widest row, padding
@@ -324,11 +324,7 @@ class TorchBackend:
     # -- the train step -------------------------------------------------------------------------
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
-        for s in samples:
-            if not len(s.token_ids) == len(s.loss_mask) == len(s.logprobs):
-                raise ValueError("a sample's token_ids, loss_mask and logprobs differ in length")
+        check_samples(samples)
         start, self._flops = time.perf_counter(), 0
         separate_proximal = self.algorithm.num_minibatches > 1 and len(samples) > 1
         proximal = self._score(self.model, samples) if separate_proximal else None
@@ -415,12 +411,7 @@ class TorchBackend:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-            },
+            "rng": rng_state(),
             "extra": extra,
         }
         tmp = path / f".{CHECKPOINT_FILE}.tmp"
@@ -435,12 +426,7 @@ class TorchBackend:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        set_rng_state(state["rng"])
         self._step = state["step"]
         return state["extra"]
 
