@@ -77,7 +77,8 @@ def resolve_dtype(cfg: TrainerConfig) -> str:
     """Settle `train.dtype: auto` (by `machine.auto_dtype`) in `cfg`, with a local engine left at
     float32 following the trainer, so both run in one dtype; returns the run header's line."""
     from gateway import machine
-    from trainer.backends.torch_backend import train_device, train_dtype
+    from trainer.backends.base import train_dtype
+    from trainer.backends.torch_backend import train_device
 
     device = train_device(cfg.train.device)
     asked = cfg.train.dtype
@@ -95,8 +96,7 @@ def resolve_dtype(cfg: TrainerConfig) -> str:
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     """Run `cfg` to the end; everything started here is stopped before returning."""
     AgentFlow.check(cfg.rollout.env, cfg.agent)  # before loading anything
-    if cfg.train.kind == "torch":
-        print(resolve_dtype(cfg), file=sys.stderr, flush=True)
+    print(resolve_dtype(cfg), file=sys.stderr, flush=True)
     model_path = resolve_model(cfg.model.name)
     async with contextlib.AsyncExitStack() as stack:
         engine, backend = await stack.enter_async_context(engine_and_backend(cfg, model_path))

@@ -45,6 +45,7 @@ from trainer.backends.base import (
     pad_rows,
     rng_state,
     set_rng_state,
+    train_dtype,
 )
 from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
@@ -183,14 +184,6 @@ def token_logprobs(
         entropy = torch.zeros(shape, dtype=ent.dtype, device=ent.device).masked_scatter(select, ent)
         entropy = torch.nn.functional.pad(entropy, (1, 0))
     return logp, entropy, int(index.numel())
-
-
-def train_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """`train.dtype` as a torch dtype: `auto` asks `machine.auto_dtype` (bf16 only where it is
-    native and measured faster, else fp32)."""
-    if name == "auto":
-        return machine.auto_dtype(str(device))
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 def peak_gflops(shape: machine.ModelShape, dtype: torch.dtype, device: torch.device | str) -> float:
