@@ -77,6 +77,11 @@ async def serve(cfg: GatewayConfig) -> None:
                 f"[loongsage]   admin token: {gateway.admin_token} (also in {token_file})",
                 flush=True,
             )
+            print(f"[loongsage]   UI: {server.base_url}/ui#token={gateway.admin_token}", flush=True)
+        else:
+            print(
+                f"[loongsage]   UI: {server.base_url}/ui (sign in with the admin token)", flush=True
+            )
         if cfg.log_dir:
             print(f"[loongsage]   trajectories: {Path(cfg.log_dir) / 'trajectories.jsonl'}")
         waiter = asyncio.ensure_future(server.wait())

@@ -14,6 +14,10 @@ missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
+# The UI's browser tests (tests/test_ui_browser.py, marker `browser`): headless Chromium and its
+# WebDriver, from Debian (Selenium is given their paths, so it never downloads a driver).
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "test_services: installing ${missing[*]}"
     $APT update

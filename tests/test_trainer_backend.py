@@ -238,6 +238,66 @@ def test_train_samples_broadcast_group_advantages_to_segments():
     assert samples[0].logprobs == [0.0, -0.5, -0.6] and samples[1].loss_mask == [0, 0, 1]
 
 
+async def test_an_agent_that_drops_its_own_reply_is_trained_segment_by_segment(
+    tiny_model_path, engine, renderer
+):
+    """mini-swe-agent drops a malformed reply from the history it re-sends, so its session forks
+    into two segments. A real session on the gateway does that here; the trainer then gets one
+    sample per segment, every sampled token in exactly one of them (the fork's copy of the
+    earlier, kept reply is prompt there: loss mask 0), and on each segment's sampled tokens the
+    trainer's log-probs equal the engine's: each is scored in the context it was sampled in."""
+    from gateway.server import Gateway, GatewayConfig
+    from trainer.algorithms import trajectory_advantages
+    from trainer.backends import train_samples
+    from trainer.buffer import Batch, Group
+
+    async def call(client, messages):
+        r = await client.chat.completions.create(model="tiny-random", messages=messages)
+        return r.choices[0].message.content
+
+    gw = Gateway(engine, tiny_model_path, GatewayConfig(auth="keys"), renderer=renderer)
+    try:
+        trajectories = []
+        for reward in (1.0, 0.0):
+            sid, key = gw.create_session({}, sampling={"temperature": 0.7, "max_tokens": 8})
+            client = gw.openai_client(key)
+            history = [{"role": "user", "content": "Count the files."}]
+            kept = await call(client, history)  # a good reply: kept, and the agent goes on
+            history += [
+                {"role": "assistant", "content": kept},
+                {"role": "user", "content": "<output>3</output>"},
+            ]
+            await call(client, history)  # malformed: dropped, a format error in its place
+            await call(client, history + [{"role": "user", "content": "Reply with one block."}])
+            gw.attach_reward(sid, reward)
+            trajectories.append(await gw.close_session(sid))
+    finally:
+        await gw.aclose()
+
+    assert [(t.forks, len(t.segments)) for t in trajectories] == [(1, 2), (1, 2)]
+    group = Group(0, "p", 0, expected=2, trajectories=trajectories)
+    batch = Batch(groups=[group], version=0, staleness={})
+    samples = train_samples(batch, trajectory_advantages([group.rewards], "grpo"))
+    assert len(samples) == 4 and [s.advantage > 0 for s in samples] == [True, True, False, False]
+    for t, (seg1, seg2) in zip(trajectories, (samples[:2], samples[2:]), strict=True):
+        trained = [
+            i for s in (seg1, seg2) for i, m in zip(s.token_ids, s.loss_mask, strict=True) if m
+        ]
+        assert trained == [i for turn in t.turns for i in turn.output_ids]  # each once, in order
+        kept = len(t.turns[0].prompt_ids) + len(t.turns[0].output_ids)
+        assert seg2.token_ids[:kept] == seg1.token_ids[:kept]  # the kept reply, in the fork...
+        assert (
+            seg2.loss_mask[:kept] == [0] * kept and seg1.loss_mask[:kept].count(1) > 0
+        )  # ...as prompt
+
+    backend = make(tiny_model_path)  # temperature 0.7, fp32: the engine's log-probs
+    for s, lp in zip(samples, backend.logprobs(samples), strict=True):
+        gap = [abs(a - b) for a, b, m in zip(lp, s.logprobs, s.loss_mask, strict=True) if m]
+        assert gap and max(gap) < 1e-3, max(gap)
+    metrics = backend.train_step(samples)
+    assert metrics["mismatch/logprob_abs_diff"] < 1e-3 and metrics["mismatch/clip_frac"] == 0.0
+
+
 def test_make_backend_builds_the_torch_backend(tiny_model_path):
     from trainer.config import load
 

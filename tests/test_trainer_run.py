@@ -93,6 +93,45 @@ async def test_black_box_agent_in_docker_trains(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.docker
+async def test_the_mini_swe_agent_recipe_trains_a_step(tmp_path):
+    """recipes/blackbox_mini_swe.yaml as written, on the tiny model: mini-swe-agent from PyPI,
+    unmodified, per rollout in its derived image. The tiny model never writes a valid action, so
+    mini ends by its own limits (an empty answer.txt: reward 0); what is checked is the path:
+    no rollout aborted, every call capped at rollout.max_tokens (mini sends no max_tokens), and a
+    train step on what came back, segments (forks) included."""
+    from sandbox.image import docker_unavailable
+
+    image = "loongsage-mini-swe-agent:latest"
+    if why := docker_unavailable(image):
+        pytest.skip(f"{why} (scripts/test_services.sh builds it)")
+    cfg = load(
+        [
+            "recipe=blackbox_mini_swe",
+            "model.name=tiny",
+            "agent.sandbox.env.MSWEA_MODEL_NAME=openai/tiny-random",  # the tiny model's served name
+            "run.steps=1",
+            "eval.n=2",
+            "rollout.batch_size=1",
+            "rollout.num_samples_per_prompt=2",
+            "rollout.max_tokens=24",
+            "rollout.filter_zero_variance=false",  # all rewards are 0 with the tiny model
+            "logging.progress=false",
+        ]
+    )
+    summary = await train(cfg, run_dir=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["eval/aborted_frac"] == 0.0
+    step = rows[1]
+    assert step["rollout/aborted_samples"] == 0 and step["train/sequences"] >= 2
+    # mini_swe_agent.yaml's step_limit (4 calls), each capped at 24 tokens by the session
+    assert 0 < step["response/len_max"] <= 4 * 24 and "rollout/forks_max" in step
+    assert summary.final_model is not None
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["status"] == "ok" for s in samples)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_a_run_and_its_sandboxes_at_once(tmp_path, sig):
     """Agents that would run for minutes do not hold the run after Ctrl-C or SIGTERM (Ray's own

@@ -83,6 +83,7 @@ class AgentFlow:
         r = self.rollout_cfg
         temperature = r.temperature if temperature is None else temperature
         meta = {
+            "agent": self.cfg.kind,
             "env": r.env,
             "task_seed": prompt,
             "group_id": group_id,

@@ -7,7 +7,8 @@ TensorBoard and W&B when `logging.tensorboard` / `logging.wandb` are set. Asking
 not installed is an error at start, not a silent no-op. `plot_run` turns metrics.jsonl into PNGs
 at the end: reward and eval curves, the train-inference gap, and the trainer's utilization
 timeline (waiting for generation vs training vs weight sync, per step). `SamplesLog` writes a
-few decoded trajectories per step to `<run>/samples.jsonl`; `PhaseTimer` times the phases of a
+few trajectories per step to `<run>/samples.jsonl` (decoded text, and token ids, loss mask,
+logprobs and versions for `python -m trainer.view`); `PhaseTimer` times the phases of a
 step as context managers; `Summary` is what a run returns and prints.
 """
 
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.trajectory import Trajectory
+from gateway.server.ui import turn_layout
+from gateway.trajectory import Segment, Trajectory
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -216,9 +218,12 @@ class PhaseTimer:
 
 
 class SamplesLog:
-    """`<run>/samples.jsonl`: the first `per_step` trajectories of each step, decoded when a
-    `decode` is given (token ids otherwise). `resume_step` drops lines after that step (they are
-    redone); a fresh run starts the file empty."""
+    """`<run>/samples.jsonl`: the first `per_step` trajectories of each step, one line each: step,
+    id, reward, status and reason, the decoded text when a `decode` is given, and everything
+    `python -m trainer.view` shows token by token, kept compact (`pack_segment`): the segments'
+    token ids, loss mask, logprobs and versions, and where each turn's output sits
+    (`gateway.server.ui.turn_layout`). `resume_step` drops lines after that step (they are
+    redone); a fresh run starts the file empty. `sample_trajectory` reads a line back."""
 
     def __init__(
         self,
@@ -243,13 +248,67 @@ class SamplesLog:
                 tokens = [t for s in traj.segments for t in s.token_ids]
                 rec = {
                     "step": step,
+                    "id": traj.session_id,
                     "reward": traj.reward,
                     "status": traj.status,
+                    "reason": traj.reason,
                     "versions": sorted({v for s in traj.segments for v in s.versions if v >= 0}),
                     "text": self.decode(tokens) if self.decode else None,
-                    "token_ids": None if self.decode else tokens,
+                    "metadata": traj.metadata,
+                    "info": traj.info,
+                    "forks": traj.forks,
+                    "segments": [pack_segment(s) for s in traj.segments],
+                    "turns": turn_layout(traj),
                 }
-                f.write(json.dumps(rec) + "\n")
+                f.write(json.dumps(rec, default=str) + "\n")
+
+
+def pack_segment(seg: Segment) -> dict[str, Any]:
+    """A segment for samples.jsonl: its token ids, the `[start, end)` spans of sampled tokens
+    (loss mask 1), and only for those the logprobs (4 decimals) and versions (as `[version,
+    count]` runs); the rest of a segment is 0 / 0.0 / -1 by definition."""
+    spans: list[list[int]] = []
+    logprobs: list[float] = []
+    runs: list[list[int]] = []
+    for i, m in enumerate(seg.loss_mask):
+        if not m:
+            continue
+        if spans and spans[-1][1] == i:
+            spans[-1][1] = i + 1
+        else:
+            spans.append([i, i + 1])
+        logprobs.append(round(seg.logprobs[i], 4))
+        v = seg.versions[i]
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return {"token_ids": seg.token_ids, "sampled": spans, "logprobs": logprobs, "versions": runs}
+
+
+def unpack_segment(packed: Mapping[str, Any]) -> Segment:
+    n = len(packed["token_ids"])
+    seg = Segment(list(packed["token_ids"]), [0] * n, [0.0] * n, [-1] * n)
+    positions = [i for a, b in packed["sampled"] for i in range(a, b)]
+    versions = [v for v, count in packed["versions"] for _ in range(count)]
+    for i, lp, v in zip(positions, packed["logprobs"], versions, strict=True):
+        seg.loss_mask[i], seg.logprobs[i], seg.versions[i] = 1, lp, v
+    return seg
+
+
+def sample_trajectory(record: Mapping[str, Any]) -> tuple[Trajectory, list[dict[str, Any]]]:
+    """A samples.jsonl line as a Trajectory (segments, no turns) and its turns' layout."""
+    traj = Trajectory(
+        session_id=record.get("id") or "",
+        status=record["status"],
+        reason=record.get("reason") or "",
+        reward=record.get("reward"),
+        info=record.get("info") or {},
+        metadata=record.get("metadata") or {},
+        segments=[unpack_segment(s) for s in record.get("segments") or []],
+        forks=record.get("forks") or 0,
+    )
+    return traj, list(record.get("turns") or [])
 
 
 @dataclass

@@ -14,6 +14,7 @@ The package, one concern per module:
 - `surfaces/`: one module per API surface (chat completions, completions, responses, Anthropic
   messages), each translating its wire format to one internal `GenRequest` and back;
 - `admin`: session, pause/resume and weight-version routes;
+- `ui`: the browser page (`/ui`: session list, token-level trajectory viewer) and its JSON;
 - `validation`: the error type, strict request models and the limits every surface shares;
 - `http`: JSON bodies within limits, error responses, the uvicorn server (header limits).
 """

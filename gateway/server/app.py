@@ -44,6 +44,7 @@ from gateway.server.http import (
 )
 from gateway.server.request import ClientGone
 from gateway.server.surfaces import Surface, all_surfaces
+from gateway.server.ui import ui_routes
 from gateway.server.validation import ApiError
 from gateway.sessions import Session, SessionStore
 from gateway.trajectory import Status, Trajectory, TrajectoryLog
@@ -275,6 +276,7 @@ class Gateway:
                 "/sessions/{sid}/v1/models", self.endpoint("models", self._models), methods=["GET"]
             ),
             *admin_routes(self),
+            *ui_routes(self),
         ]
         for cls in all_surfaces():
             surface = cls(self.model_name, self.renderer)
