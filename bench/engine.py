@@ -1,15 +1,26 @@
-"""Throughput of the embedded engine versus HF `generate`, side by side in one run.
+"""The embedded engine against HF `generate` and against this machine's roofline, in one run.
 
-    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,8,32]
-                           [--repeats 1] [--threads N]
+    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,32]
+                           [--repeats 3] [--threads N]
 
 Same chat prompts, greedy, every request generating exactly `--max-tokens` new tokens (the
 engine with `ignore_eos`, HF with `min_new_tokens`). HF runs a whole batch as one left-padded
-`generate` call; the engine receives the same requests concurrently and batches them itself.
-Tokens/s counts new tokens only, prefill included in the wall time. Both sides run in one
-process, alternating per batch size (so load from other processes hits both alike); "peak RSS
-extra" is the highest RSS sampled during a run minus the RSS just before it (activations, KV
-cache). "same tokens": requests whose greedy tokens agree up to the engine's first EOS.
+`generate` call; the engine receives the same requests concurrently through the Engine
+protocol and batches them itself. Tokens/s counts new tokens only, prefill included in the
+wall time. HF and engine alternate within each repeat (so load from other processes hits both
+alike); each keeps its best repeat.
+
+The roofline is measured in the same run, before each repeat (`gateway/machine.py`; best of
+the repeats): this machine's matmul GFLOP/s on the shapes each phase runs (prefill, decode at
+the batch's size, the LM head) and its memory read rate give the least time the workload can
+take (`machine.generation_seconds`: FLOPs and weight bytes counted from the model config);
+"of roofline" is achieved tokens/s over that bound. memcpy (bytes copied per second) is
+printed too; a decode step reads its weights, it does not copy them. "GFLOP/s" is the workload's counted FLOPs
+over the wall time.
+
+Checks printed beside the speed: "same tokens" counts requests whose greedy tokens agree with
+HF's up to the engine's first EOS; "logprob err" is the largest |engine logprob - teacher-forced
+HF logprob| over every generated token.
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.engines.base import SamplingParams
+from gateway import machine
+from gateway.engines.base import Generation, SamplingParams
 from gateway.engines.local import LocalEngine
 from gateway.models import model_name, resolve_model
 
@@ -65,12 +77,17 @@ def peak_rss_during(fn: Callable[[], object]) -> tuple[object, float, int]:
     return result, seconds, max(peak[0], rss_bytes())
 
 
-def prompts_for(path: Path, batch: int) -> list[list[int]]:
+def prompts_for(path: Path, batch: int, distinct: bool = False) -> list[list[int]]:
+    """The chat prompts of `batch` requests: the questions in turn (so a batch of 32 is 8
+    groups of 4 identical prompts, as n samples per prompt are in RL), or all different."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     out = []
     for i in range(batch):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        if distinct:
+            question = f"Request {i}. {question}"
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            [{"role": "user", "content": question}],
             add_generation_prompt=True,
             tokenize=True,
         )
@@ -78,9 +95,11 @@ def prompts_for(path: Path, batch: int) -> list[list[int]]:
     return out
 
 
-def hf_runner(path: Path) -> Callable[[list[list[int]], int], list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def distinct_lengths(prompts: list[list[int]]) -> list[int]:
+    return [len(p) for p in {tuple(p): p for p in prompts}.values()]
 
+
+def hf_runner(model: torch.nn.Module) -> Callable[[list[list[int]], int], list[list[int]]]:
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -101,11 +120,10 @@ def hf_runner(path: Path) -> Callable[[list[list[int]], int], list[list[int]]]:
     return generate
 
 
-def engine_runner(engine: LocalEngine) -> Callable[[list[list[int]], int], list[list[int]]]:
-    async def run(prompts: list[list[int]], n: int) -> list[list[int]]:
+def engine_runner(engine: LocalEngine) -> Callable[[list[list[int]], int], list[Generation]]:
+    async def run(prompts: list[list[int]], n: int) -> list[Generation]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        outs = await asyncio.gather(*(engine.generate(x, params) for x in prompts))
-        return [o.output_ids for o in outs]
+        return list(await asyncio.gather(*(engine.generate(x, params) for x in prompts)))
 
     return lambda prompts, n: asyncio.run(run(prompts, n))
 
@@ -116,30 +134,64 @@ def agree(hf: list[int], engine: list[int], eos: frozenset[int]) -> bool:
     return hf[:cut] == engine[:cut]
 
 
+def logprob_error(
+    model: torch.nn.Module, prompts: list[list[int]], outs: list[Generation]
+) -> float:
+    """Largest |engine logprob - logprob of a teacher-forced HF forward| over all new tokens."""
+    worst = 0.0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs, strict=True):
+            seq = torch.tensor([prompt + out.output_ids])
+            logp = torch.log_softmax(model(seq).logits[0].float(), dim=-1)
+            targets = seq[0, len(prompt) :, None]
+            ref = logp[len(prompt) - 1 : -1].gather(-1, targets)[:, 0]
+            worst = max(worst, float((ref - torch.tensor(out.output_logprobs)).abs().max()))
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF folder")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
-    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per side; best is kept")
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side; best is kept")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--distinct", action="store_true", help="all prompts different (no shared prefill)"
     )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    shape = machine.ModelShape.from_config(hf_model.config)
     engine = LocalEngine(path, max_batch_size=max(batches))
-    sides = {"hf": hf_runner(path), "engine": engine_runner(engine)}
+    sides = {"hf": hf_runner(hf_model), "engine": engine_runner(engine)}
     for run in sides.values():
         run(prompts_for(path, 2), 4)  # warm-up
     baseline = rss_bytes()
+    rates: dict[tuple[int, int, int], float] = {}
+    memory = {"memcpy": 0.0, "read": 0.0}
+
+    def probe(batch: int, prompt_tokens: int) -> None:
+        """Re-measure this batch's matmul shapes and memcpy; keep each one's best so far."""
+        for m in (prompt_tokens, batch):
+            for i, o in [*shape.linears().values(), (shape.hidden, shape.hidden)]:
+                rates[m, i, o] = max(rates.get((m, i, o), 0), machine.measure_matmul(m, i, o))
+        head = (batch, shape.hidden, shape.vocab)
+        rates[head] = max(rates.get(head, 0), machine.measure_matmul(*head))
+        memory["memcpy"] = max(memory["memcpy"], machine.measure_memcpy())
+        memory["read"] = max(memory["read"], machine.measure_read())
+
     rows = []
     for batch in batches:
-        prompts = prompts_for(path, batch)
+        prompts = prompts_for(path, batch, args.distinct)
         outs, seconds, extra = {}, {k: float("inf") for k in sides}, dict.fromkeys(sides, 0)
-        for _ in range(args.repeats):  # alternate the two sides so load changes hit both
+        for _ in range(args.repeats):  # machine, HF, engine in turn: load changes hit all
+            probe(batch, sum(distinct_lengths(prompts)))
             for name, run in sides.items():
                 before = rss_bytes()
                 outs[name], took, peak = peak_rss_during(
@@ -147,27 +199,76 @@ def main() -> None:
                 )
                 seconds[name] = min(seconds[name], took)
                 extra[name] = max(extra[name], peak - before)
-        rows.append((batch, outs, seconds, extra))
+        rows.append((batch, prompts, outs, seconds, extra))
     asyncio.run(engine.close())
 
+    lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
+    distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
-        f"torch threads {torch.get_num_threads()}, best of {args.repeats}; process RSS with "
-        f"both models loaded {baseline / 2**20:.0f} MiB"
+        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with both "
+        f"models loaded {baseline / 2**20:.0f} MiB"
+    )
+    for b in batches:
+        if len(distinct[b]) < b:
+            print(
+                f"batch {b}: {len(distinct[b])} distinct prompts, {sum(distinct[b])} of "
+                f"{sum(lengths[b])} prompt tokens (the engine and the roofline prefill each "
+                "distinct prompt once, HF generate all)"
+            )
+    print(
+        f"machine: {machine.describe()}; memcpy {memory['memcpy']:.1f} GB/s (bytes copied), "
+        f"read {memory['read']:.1f} GB/s (the roofline's memory rate)"
+    )
+    print("\nmeasured linear-layer GFLOP/s, best kernel, [m, k] x [k, n]:")
+    names = {**{v: k for k, v in shape.linears().items()}, (shape.hidden, shape.vocab): "lm_head"}
+    for batch in batches:
+        for m, what in ((sum(distinct[batch]), "prefill"), (batch, "decode")):
+            got = [
+                f"{names[i, o]} {r:.0f}"
+                for (mm, i, o), r in rates.items()
+                if mm == m and (i, o) in names
+            ]
+            print(f"- batch {batch} {what}, m={m}: {', '.join(got)}")
+    big = (1024, shape.hidden, shape.intermediate)
+    print(
+        f"- {big[0]}x{big[1]}x{big[2]}: fp32 {machine.measure_matmul(*big):.0f}, "
+        f"bf16 {machine.measure_matmul(*big, torch.bfloat16):.0f}"
     )
     print(
-        "| batch | HF generate tok/s | engine tok/s | engine/HF | same tokens "
+        "\n| batch | HF generate tok/s | engine tok/s | roofline tok/s | engine/HF "
+        "| engine of roofline | HF of roofline | engine GFLOP/s | same tokens | logprob err "
         "| HF peak RSS extra | engine peak RSS extra |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, outs, seconds, extra in rows:
-        hf_tps, en_tps = (batch * args.max_tokens / seconds[k] for k in ("hf", "engine"))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, prompts, outs, seconds, extra in rows:
+        new = batch * args.max_tokens
+        hf_tps, en_tps = (new / seconds[k] for k in ("hf", "engine"))
+        bound = machine.generation_seconds(
+            shape,
+            lengths[batch],
+            args.max_tokens,
+            lambda *mkn: rates[mkn],
+            memory["read"],
+            distinct=distinct[batch],
+        )
+        roof_tps = new / bound
+        steps = args.max_tokens - 1  # decode steps after the prefill's token
+        flops = shape.forward_flops(  # what the engine computes: prefill, then the steps
+            sum(distinct[batch]), logits=batch, attended=machine.causal_attended(distinct[batch])
+        ) + shape.forward_flops(
+            batch * steps,
+            attended=sum(n * steps + steps * (steps + 1) // 2 for n in lengths[batch]),
+        )
         same = sum(
-            agree(a, b, engine.eos_token_ids)
+            agree(a, b.output_ids, engine.eos_token_ids)
             for a, b in zip(outs["hf"], outs["engine"], strict=True)
         )
+        err = logprob_error(hf_model, prompts, outs["engine"])
         print(
-            f"| {batch} | {hf_tps:.1f} | {en_tps:.1f} | {en_tps / hf_tps:.2f}x | {same}/{batch} "
+            f"| {batch} | {hf_tps:.1f} | {en_tps:.1f} | {roof_tps:.1f} | {en_tps / hf_tps:.2f}x "
+            f"| {en_tps / roof_tps:.0%} | {hf_tps / roof_tps:.0%} "
+            f"| {flops / seconds['engine'] / 1e9:.1f} | {same}/{batch} | {err:.1e} "
             f"| {extra['hf'] / 2**20:.0f} MiB | {extra['engine'] / 2**20:.0f} MiB |"
         )
 

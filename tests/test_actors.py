@@ -126,6 +126,8 @@ def test_ray_backend_trains_like_the_in_process_backend(backend, trainer_cfg):
     assert backend.step == local.step == step + 1
     assert set(got) == set(want)
     for key, value in want.items():
+        if key.startswith("perf/"):  # FLOPs over wall time: two clocks, not two computations
+            continue
         assert math.isclose(got[key], value, rel_tol=1e-4, abs_tol=1e-6), key
     lps = backend.logprobs(SAMPLES)
     for a, b in zip(lps, local.logprobs(SAMPLES), strict=True):

@@ -291,6 +291,7 @@ def test_loss_and_gradients_match_the_torch_backend(tiny_model_path, algorithm):
     ours = megatron(tiny_model_path, algorithm, **kw)
     for _ in range(2):
         want, got = theirs.train_step(BATCH), ours.train_step(BATCH)
+        want = {k: v for k, v in want.items() if not k.startswith("perf/")}  # torch only, so far
         assert set(got) == set(want)
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.algorithms import policy_loss
 from trainer.backends import TrainSample, make_backend
 from trainer.backends.torch_backend import TorchBackend, lr_factor
-from trainer.config import AlgorithmConfig, TrainBackendConfig
+from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 
 def make(path, algorithm=None, **train):
@@ -135,7 +136,10 @@ def test_checkpoint_resume_reproduces_the_next_step(tiny_model_path, tmp_path):
     torch.rand(3)
     assert torch.equal(torch.rand(1), expected)  # RNG restored
     mb = b.train_step(batch)
-    assert ma == mb
+    timed = ("perf/train_tflops", "perf/mfu")  # FLOPs over wall time: the only clock-dependent ones
+    assert {k: v for k, v in ma.items() if k not in timed} == {
+        k: v for k, v in mb.items() if k not in timed
+    }
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
 
@@ -299,3 +303,101 @@ def test_make_backend_builds_the_torch_backend(tiny_model_path):
 
     backend = make_backend(load(["recipe=tiny", "train.device=cpu"]))
     assert isinstance(backend, TorchBackend) and backend.step == 0
+
+
+def padded_step_reference(path, samples: list[TrainSample], algo: AlgorithmConfig):
+    """The step as it was before packing: each sample its own padded row, logits everywhere;
+    returns (loss, model with its gradients)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    width = max(len(s.token_ids) for s in samples)
+
+    def pad(rows, value):
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.float32)
+
+    ids = pad([s.token_ids for s in samples], 0).long()
+    attn = pad([[1] * len(s.token_ids) for s in samples], 0).long()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1] / 0.7
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    logp = torch.nn.functional.pad(logp, (1, 0))
+    mask = pad([s.loss_mask for s in samples], 0)
+    logp = logp * mask
+    out = policy_loss(
+        algo,
+        logp,
+        logp.detach(),
+        pad([s.logprobs for s in samples], 0.0),
+        torch.tensor([s.advantage for s in samples])[:, None].expand_as(mask),
+        mask,
+        num_tokens=mask.sum().item(),
+        num_seqs=len(samples),
+    )
+    out.loss.backward()
+    return out.loss.item(), model
+
+
+def test_packed_prompts_give_the_padded_steps_loss_and_gradients(tiny_model_path):
+    backend = make(tiny_model_path, grad_clip=0.0)  # gradients as computed
+    batch = on_policy(backend, BATCH)
+    packs = backend._packs(list(range(len(batch))), batch)
+    # one row per prompt: [1, 15, 27] + two continuations, [1, 99] + two continuations
+    assert sorted(p.input_ids.shape[0] for p in packs) == [2]
+    assert sum(p.tokens for p in packs) == (3 + 4 + 2) + (2 + 6 + 2)
+    metrics = backend.train_step(batch)
+    loss, reference = padded_step_reference(tiny_model_path, batch, backend.algorithm)
+    assert metrics["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    for (name, pa), pb in zip(
+        backend.model.named_parameters(), reference.parameters(), strict=True
+    ):
+        assert (pa.grad - pb.grad).abs().max() <= 1e-5 * pb.grad.abs().max(), name
+
+
+def test_mfu_is_counted_flops_over_time_and_the_measured_peak(tiny_model_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from trainer.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend.machine, "matmul_gflops", lambda *a, **k: 50.0)
+    backend = make(tiny_model_path)
+    clock = iter([10.0, 12.0])  # the step takes 2 s
+    monkeypatch.setattr(torch_backend, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    m = backend.train_step(BATCH[:2])
+    # Tiny model: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, intermediate 128, vocab 49152.
+    # Linear MACs per token: qkv 64*128 + o 64*64 + gate_up 64*256 + down 128*64 = 36864.
+    # One packed row: prompt [1, 15, 27] once, then 4 + 2 continuation tokens = 9 tokens.
+    # Attended keys: prompt 1+2+3, first continuation 4+5+6+7, second 4+5 = 37.
+    # LM head on the 6 loss positions. Forward: 2 * (2 * (9*36864 + 2*64*37) + 6*64*49152).
+    forward = 2 * (2 * (9 * 36864 + 2 * 64 * 37) + 6 * 64 * 49152)
+    assert forward == 39_094_784
+    assert m["perf/train_tflops"] == pytest.approx(3 * forward / 2.0 / 1e12)
+    assert m["perf/mfu"] == pytest.approx(3 * forward / 2.0 / 50e9)
+
+
+@pytest.mark.parametrize(("native", "want"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_follows_the_probe_in_backend_and_run(
+    tiny_model_path, monkeypatch, native, want
+):
+    from gateway import machine
+    from trainer.run import resolve_dtype
+
+    # The probe's result injected: bf16 is native here or not, and measures 4x faster.
+    monkeypatch.setattr(machine, "native_bf16", lambda device="cpu": native)
+    monkeypatch.setattr(
+        machine,
+        "matmul_gflops",
+        lambda m, k, n, dtype=torch.float32, device="cpu": (
+            100.0 if dtype == torch.bfloat16 else 25.0
+        ),
+    )
+    backend = make(tiny_model_path, dtype="auto")
+    assert backend.dtype == want
+    with backend._autocast():
+        out = backend.model.get_output_embeddings()(torch.ones(1, 64))
+    assert out.dtype == want
+    assert make(tiny_model_path, dtype="fp32").dtype == torch.float32  # asked, not probed
+
+    cfg = TrainerConfig()
+    assert cfg.train.dtype == "auto" and cfg.engine.dtype == "float32"
+    header = resolve_dtype(cfg)
+    name = "bf16" if native else "fp32"
+    assert cfg.train.dtype == name and cfg.engine.dtype == str(want).removeprefix("torch.")
+    assert f"train.dtype=auto -> {name}, engine {cfg.engine.dtype}" in header

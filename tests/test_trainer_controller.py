@@ -262,3 +262,32 @@ async def test_a_failing_prompt_stream_stops_the_run_with_its_error(tmp_path, ti
 def test_trainer_config_has_no_unknown_sections():
     with pytest.raises(ValueError, match="did you mean rollout"):
         load(["rolout.batch_size=2"])
+
+
+async def test_mid_run_eval_overlaps_the_next_train_step_and_sees_one_version(
+    tmp_path, tiny_model_path
+):
+    """The step-1 eval waits until the backend has trained step 2 (a controller that held the
+    trainer for its eval would never get there), and no weights are pushed meanwhile."""
+    cfg = config(tmp_path, "run.steps=3", "eval.every=1")
+    source = ToySource()
+    push = ToyPush(source)
+    backend = backend_for(cfg, tiny_model_path)
+    seen: list[tuple[int, int, list[int]]] = []
+
+    class OverlapEvaluator:
+        async def evaluate(self, step: int) -> dict[str, float]:
+            if 0 < step < cfg.run.steps:
+                async with asyncio.timeout(120):
+                    while backend.step <= step:
+                        await asyncio.sleep(0.01)
+            seen.append((step, backend.step, list(push.versions)))
+            return {"eval/success_rate": step / 10}
+
+    ctl = Controller(cfg, backend, source, push, evaluator=OverlapEvaluator())
+    await ctl.run()
+    assert seen == [(0, 0, []), (1, 2, [1]), (2, 3, [1, 2]), (3, 3, [1, 2, 3])]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # one line per step, eval included
+    assert [r["eval/success_rate"] for r in rows] == [0.0, 0.1, 0.2, 0.3]
+    assert all(r["time/eval_s"] >= 0 for r in rows[1:])

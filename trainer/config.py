@@ -164,9 +164,11 @@ class TrainBackendConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     micro_batch_tokens: int = 4096
-    """Token budget of one forward/backward (padded tokens count); bounds activation memory."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """`bf16` runs forward/backward under bf16 autocast with fp32 master weights and optimizer."""
+    """Token budget of one forward/backward (packed rows, padding included); bounds memory."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """`bf16` runs forward/backward under bf16 autocast with fp32 master weights and optimizer;
+    `auto` picks bf16 only where it is native and measured faster (CUDA, AVX512-BF16/AMX CPUs),
+    fp32 otherwise, and a local engine left at float32 follows it (decision in the run header)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     tensor_parallel: int = 1

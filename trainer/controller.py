@@ -23,7 +23,9 @@ long rollouts are trained on rather than dropped as too stale.
 
 Rollouts come from a `RolloutSource` (AgentFlow over the gateway in `trainer.run`; anything that
 returns a Trajectory in tests). A rollout that raises becomes an `error` trajectory: data, not a
-crash. Evaluation (an `Evaluator`) runs at step 0, every `eval.every` steps and at the end.
+crash. Evaluation (an `Evaluator`) runs at step 0, every `eval.every` steps and at the end. One
+in mid-run does not hold the trainer: it runs beside the next train step and is awaited before
+that step's weight push (so it sees one version); its step's metrics line is written then.
 
 Checkpoints hold the backend state and the controller's: the prompt stream position, the next
 group id and the prompts admitted but not yet trained (re-admitted first on resume, under their
@@ -126,6 +128,8 @@ class Controller:
         self.next_group_id = 0
         self.inflight: dict[int, Any] = {}
         """group id -> prompt, for groups admitted and not yet complete."""
+        self._running_eval: asyncio.Task | None = None
+        """A mid-run evaluation of the current weights (the next push waits for it)."""
         self.resubmit: list[tuple[int, Any]] = []
         """(group id, prompt) restored from a checkpoint, admitted before new prompts."""
         self._cond = asyncio.Condition()
@@ -145,30 +149,47 @@ class Controller:
         bar = self._progress_bar()
         admission = asyncio.create_task(self._admit())
         self._last_step_end = time.monotonic()
+        pending: tuple[int, dict[str, float], asyncio.Task] | None = None  # a line and its eval
         try:
             while self.version < self.cfg.run.steps:
                 timer = PhaseTimer(*PHASES)
                 with timer("time/generation_wait_s"):
                     batch = await self._next_batch()
+                self._running_eval = pending[2] if pending else None
                 metrics = await self.train_step(batch, timer)
+                if pending is not None:
+                    version, line, task = pending
+                    evaluation, seconds = task.result()
+                    summary.record(line | evaluation, evaluation)
+                    self.log.log(version, line | evaluation | {"time/eval_s": seconds})
+                    pending = None
                 evaluation = await self._evaluate_and_checkpoint(timer)
-                metrics |= evaluation | self._loop_metrics(batch, timer)
-                summary.record(metrics, evaluation)
-                self.log.log(self.version, metrics)
+                metrics |= self._loop_metrics(batch, timer)
+                if isinstance(evaluation, asyncio.Task):
+                    pending = (self.version, metrics, evaluation)
+                else:
+                    metrics |= evaluation
+                    summary.record(metrics, evaluation)
+                    self.log.log(self.version, metrics)
                 self._show_progress(bar, metrics, summary.eval_last)
         finally:
             bar.close()
+            if pending is not None:
+                pending[2].cancel()
             await self._stop_rollouts(admission)
             self.log.close()
         return await self._finish(summary)
 
     async def train_step(self, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
-        """One step of the algorithm on `batch`; returns its metrics."""
+        """One step of the algorithm on `batch`; returns its metrics. An evaluation of the
+        current weights still running is awaited before they are replaced."""
         rewards = [group.rewards for group in batch.groups]
         advantages = trajectory_advantages(rewards, self.cfg.algorithm.advantage)
         samples = train_samples(batch, advantages)
         with timer("time/train_s"):  # the policy loss and the optimizer step, in the backend
             train_metrics = await asyncio.to_thread(self.backend.train_step, samples)
+        if self._running_eval is not None:
+            await asyncio.wait([self._running_eval])
         with timer("time/weight_sync_s"):
             report = await self.push.push(self.version + 1)
         await self._set_version(self.version + 1)
@@ -182,10 +203,15 @@ class Controller:
             self.gate.set_version(version)
             self._cond.notify_all()
 
-    async def _evaluate_and_checkpoint(self, timer: PhaseTimer) -> dict[str, float]:
-        """Evaluation and a checkpoint when their schedules say so (both after the last step)."""
-        evaluation: dict[str, float] = {}
-        if self._due(self.cfg.eval.every):
+    async def _evaluate_and_checkpoint(
+        self, timer: PhaseTimer
+    ) -> dict[str, float] | asyncio.Task[tuple[dict[str, float], float]]:
+        """Evaluation and a checkpoint when their schedules say so (both after the last step).
+        A mid-run evaluation is returned running, as a task giving (metrics, seconds)."""
+        evaluation: dict[str, float] | asyncio.Task = {}
+        if self._due(self.cfg.eval.every) and self.version < self.cfg.run.steps:
+            evaluation = asyncio.create_task(self._timed_evaluate())
+        elif self._due(self.cfg.eval.every):
             with timer("time/eval_s"):
                 evaluation = await self._evaluate()
         if self._due(self.cfg.run.checkpoint_every):
@@ -198,6 +224,10 @@ class Controller:
 
     async def _evaluate(self) -> dict[str, float]:
         return await self.evaluator.evaluate(self.version) if self.evaluator else {}
+
+    async def _timed_evaluate(self) -> tuple[dict[str, float], float]:
+        start = time.monotonic()
+        return await self._evaluate(), time.monotonic() - start
 
     def _loop_metrics(self, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
         now = time.monotonic()

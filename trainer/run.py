@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import gymnasium as gym
+import torch
 from transformers import AutoTokenizer
 
 from gateway.config import ConfigError
@@ -92,9 +93,30 @@ def check_ray_cpus(cfg: TrainerConfig, remote_engines: bool) -> None:
         )
 
 
+def resolve_dtype(cfg: TrainerConfig) -> str:
+    """Settle `train.dtype: auto` (by `machine.auto_dtype`) in `cfg`, with a local engine left at
+    float32 following the trainer, so both run in one dtype; returns the run header's line."""
+    from gateway import machine
+    from trainer.backends.base import train_dtype
+    from trainer.backends.torch_backend import train_device
+
+    device = train_device(cfg.train.device)
+    asked = cfg.train.dtype
+    dtype = train_dtype(asked, device)
+    cfg.train.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if asked == "auto" and cfg.engine.kind == "local" and cfg.engine.dtype == "float32":
+        cfg.engine.dtype = str(dtype).removeprefix("torch.")
+    engine = f", engine {cfg.engine.dtype}" if cfg.engine.kind == "local" else ""
+    return (
+        f"trainer.run: {machine.describe(str(device))}; "
+        f"train.dtype={asked} -> {cfg.train.dtype}{engine}"
+    )
+
+
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     """Run `cfg` to the end; everything started here is stopped before returning."""
     AgentFlow.check(cfg.rollout.env, cfg.agent)  # before loading anything
+    print(resolve_dtype(cfg), file=sys.stderr, flush=True)
     model_path = resolve_model(cfg.model.name)
     async with contextlib.AsyncExitStack() as stack:
         engines, backend = await stack.enter_async_context(engines_and_backend(cfg, model_path))

@@ -91,6 +91,16 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def train_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`train.dtype` as a torch dtype: `auto` asks `machine.auto_dtype` (bf16 only where it is
+    native and measured faster, else fp32)."""
+    if name == "auto":
+        from gateway import machine
+
+        return machine.auto_dtype(str(device))
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG a checkpoint restores (torch, CUDA, Python, numpy)."""
     return {

@@ -5,10 +5,21 @@ minibatches they come from a no-grad forward first; with one (the default) they 
 current log-probs, detached, since no update has happened yet, and that forward is skipped
 (a quarter of the step's compute). The reference model's log-probs (KL term) come from a
 no-grad forward. The batch is split into `num_minibatches` optimizer steps, each accumulated
-over micro-batches that fit `micro_batch_tokens` padded tokens. Log-probs are those of the
+over micro-batches of at most `micro_batch_tokens` packed tokens. Log-probs are those of the
 sampling distribution, log_softmax(logits / temperature), exactly what the engine reports.
-`bf16` keeps fp32 master weights and optimizer state and runs forward/backward under bf16
-autocast.
+
+Packing (`Pack`): a GRPO group's samples share their prompt, which is most of their tokens in
+single-turn RL (quickstart: ~100 prompt tokens, 16-64 generated). A micro-batch row holds the
+prompt once and every continuation of it after it; a 4D mask lets each continuation attend to
+the prompt and its own earlier tokens only, at its own positions, so the log-probs and the
+gradients are those of separate forwards (tests compare them with a padded one), for a
+fraction of the FLOPs. Only loss positions go through the LM head.
+
+`dtype`: `bf16` keeps fp32 master weights and optimizer state and runs forward/backward under
+bf16 autocast; `auto` asks `gateway.machine.auto_dtype` (bf16 only where native and faster).
+Every step reports `perf/train_tflops` (FLOPs counted by `machine.ModelShape` for the tokens
+the packed forwards compute, over the step's wall time) and `perf/mfu` (that over the measured
+matmul rate of the model's gate/up projection, `peak_gflops`).
 """
 
 from __future__ import annotations
@@ -16,29 +27,34 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway import machine
 from gateway.models import resolve_model
 from trainer.algorithms import policy_loss, reduce_metrics
 from trainer.backends.base import (
     TrainSample,
     check_samples,
     lr_factor,
-    micro_batches,
     pad_rows,
     rng_state,
     set_rng_state,
+    train_dtype,
 )
 from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 CHECKPOINT_FILE = "trainer.pt"
+PEAK_ROWS = 1024
 
 
-def _device(name: str) -> torch.device:
+def train_device(name: str) -> torch.device:
+    """`train.device` resolved (`auto`: cuda when available); a missing GPU is a clear error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -46,31 +62,120 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass
+class Pack:
+    """One micro-batch, packed: each row holds a prompt once and, after it, every continuation
+    of it in the micro-batch (a GRPO group's samples share their prompt). A continuation's
+    tokens attend to the prompt and to their own earlier tokens only, at the positions they
+    have in their own sample, so each sample's log-probs are those of its own forward pass."""
+
+    samples: list[int]
+    """Indices of the samples in this micro-batch, in output order."""
+    input_ids: torch.Tensor
+    """[R, W] token ids, rows right-padded."""
+    position_ids: torch.Tensor
+    """[R, W] each token's position in its own sample."""
+    mask: torch.Tensor
+    """[R, 1, W, W] bool: query attends to key (pads attend to themselves only)."""
+    where: list[torch.Tensor]
+    """Per sample: the flat index (row * W + column) of each of its positions."""
+    tokens: int
+    """Real (non-pad) tokens in the rows: what the forward must compute."""
+    attended: int
+    """Sum over real tokens of the keys each attends to (attention FLOPs)."""
+
+
+def pack(samples: list[TrainSample], units: list[list[int]], device: torch.device) -> Pack:
+    """Rows from `units` (sample indices sharing the tokens before their first loss token)."""
+    rows, where_rows = [], []
+    for unit in units:
+        prompt = _prompt_len(samples[unit[0]])
+        tokens, positions, branch = list(samples[unit[0]].token_ids[:prompt]), [], []
+        positions, branch = list(range(prompt)), [0] * prompt
+        for b, i in enumerate(unit, start=1):
+            ids = samples[i].token_ids
+            start = len(tokens)
+            where_rows.append(
+                (len(rows), list(range(prompt)) + list(range(start, start + len(ids) - prompt)))
+            )
+            tokens += ids[prompt:]
+            positions += range(prompt, len(ids))
+            branch += [b] * (len(ids) - prompt)
+        rows.append((tokens, positions, branch))
+    width = max(len(t) for t, _, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    br = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, (t, p, b) in enumerate(rows):
+        ids[r, : len(t)], pos[r, : len(t)], br[r, : len(t)] = (
+            torch.tensor(t),
+            torch.tensor(p),
+            torch.tensor(b),
+        )
+    col = torch.arange(width)
+    causal = col[None, :] <= col[:, None]
+    same = (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
+    real = br >= 0
+    mask = causal & same & real[:, None, :] & real[:, :, None]
+    attended = int(mask.sum())
+    mask |= torch.eye(width, dtype=torch.bool)  # pad rows attend to something (no NaN)
+    where = [torch.tensor(cols, device=device) + r * width for r, cols in where_rows]
+    return Pack(
+        samples=[i for unit in units for i in unit],
+        input_ids=ids.to(device),
+        position_ids=pos.to(device),
+        mask=mask[:, None].to(device),
+        where=where,
+        tokens=int(real.sum()),
+        attended=attended,
+    )
+
+
+def _prompt_len(sample: TrainSample) -> int:
+    """Tokens before the first loss token (all of them if none is trained)."""
+    return next((j for j, m in enumerate(sample.loss_mask) if m), len(sample.token_ids))
+
+
 def token_logprobs(
     model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    packed: Pack,
+    samples: list[TrainSample],
     temperature: float,
     with_entropy: bool = False,
-    score_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log-prob of each token given the previous ones, and its entropy if asked.
+    only_loss: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """[S, T] log-prob of each token of the packed samples given the previous ones, its
+    entropy if asked, and how many positions went through the LM head.
 
-    Only positions where `score_mask` (default: attention_mask) is 1 are projected to the
-    vocabulary; the others, and position 0, are 0. With a large vocabulary and long prompts or
-    padding, the output projection is most of the cost, so skipping prompt and pad tokens pays.
+    Only loss positions (all positions unless `only_loss`) are projected to the vocabulary;
+    the others, position 0 and padding are 0. With a large vocabulary and long prompts, the
+    output projection is most of the cost, so skipping prompt tokens pays.
     """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]
-    select = (score_mask if score_mask is not None else attention_mask)[:, 1:] > 0
-    h = hidden[:, :-1][select]  # [N, H]: the positions that predict a scored token
-    logits = model.get_output_embeddings()(h).float()
+    hidden = model.base_model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.mask,
+        position_ids=packed.position_ids,
+    )[0]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    rows = [samples[i] for i in packed.samples]
+    width = max(len(s.token_ids) for s in rows)
+    select = torch.zeros(len(rows), width - 1, dtype=torch.bool)
+    for r, s in enumerate(rows):
+        select[r, : len(s.token_ids) - 1] = (
+            torch.tensor(s.loss_mask[1:], dtype=torch.bool) if only_loss else True
+        )
+    select = select.to(hidden.device)
+    index = torch.cat([w[:-1][select[r, : len(w) - 1]] for r, w in enumerate(packed.where)])
+    flat = packed.input_ids.reshape(-1)
+    targets = torch.cat([flat[w[1:]][select[r, : len(w) - 1]] for r, w in enumerate(packed.where)])
+    logits = model.get_output_embeddings()(hidden[index]).float()  # [N, V]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap:  # Gemma-2 style models cap logits before sampling
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, input_ids[:, 1:][select].unsqueeze(-1)).squeeze(-1) - lse
-    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    shape = (len(rows), width - 1)
     logp = torch.zeros(shape, dtype=picked.dtype, device=picked.device)
     logp = torch.nn.functional.pad(logp.masked_scatter(select, picked), (1, 0))
     entropy = None
@@ -78,7 +183,15 @@ def token_logprobs(
         ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
         entropy = torch.zeros(shape, dtype=ent.dtype, device=ent.device).masked_scatter(select, ent)
         entropy = torch.nn.functional.pad(entropy, (1, 0))
-    return logp, entropy
+    return logp, entropy, int(index.numel())
+
+
+def peak_gflops(shape: machine.ModelShape, dtype: torch.dtype, device: torch.device | str) -> float:
+    """Measured matmul GFLOP/s of the gate/up projection over PEAK_ROWS tokens: the largest
+    matmul of a layer, at a micro-batch's size, the best rate the step's matmuls can reach."""
+    return machine.matmul_gflops(
+        PEAK_ROWS, shape.hidden, 2 * shape.intermediate, dtype, str(device)
+    )
 
 
 class TorchBackend:
@@ -97,18 +210,21 @@ class TorchBackend:
         self.cfg = train
         self.algorithm = algorithm
         self.temperature = temperature
-        self.device = _device(train.device)
+        self.device = train_device(train.device)
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.to(self.device)
         self.model.config.use_cache = False
+        self.dtype = train_dtype(train.dtype, self.device)
+        self.shape = machine.ModelShape.from_config(self.model.config)
+        self.peak_gflops = peak_gflops(self.shape, self.dtype, self.device)
+        """The MFU denominator: this machine's matmul rate on the model's widest linear layer."""
+        self._flops = 0
         if train.gradient_checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", None)
             (enable or self.model.gradient_checkpointing_enable)()
         self.model.train()  # HF only checkpoints in train mode; these models have no dropout
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.ref_model = None
         if algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -142,29 +258,56 @@ class TorchBackend:
 
     def _autocast(self):
         return torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bf16"
+            self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16
         )
 
     def _pad(self, rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
         return pad_rows(rows, value, dtype).to(self.device)
 
-    def _inputs(self, rows: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self._pad([s.token_ids for s in rows], self.pad_id, torch.long)
-        attn = self._pad([[1] * len(s.token_ids) for s in rows], 0, torch.long)
-        return ids, attn
+    def _packs(self, idx: list[int], samples: list[TrainSample]) -> list[Pack]:
+        """Micro-batches of `micro_batch_tokens` packed tokens (rows * widest row, padding
+        included). Samples with the same prompt share a row (split when it would not fit);
+        rows are packed greedily, longest first."""
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for i in idx:
+            by_prompt.setdefault(tuple(samples[i].token_ids[: _prompt_len(samples[i])]), []).append(
+                i
+            )
+        units: list[tuple[int, list[int]]] = []  # (packed length, samples)
+        for prompt, members in by_prompt.items():
+            length, unit = len(prompt), []
+            for i in members:
+                tail = len(samples[i].token_ids) - len(prompt)
+                if unit and length + tail > self.cfg.micro_batch_tokens:
+                    units.append((length, unit))
+                    length, unit = len(prompt), []
+                length += tail
+                unit.append(i)
+            units.append((length, unit))
+        units.sort(key=lambda u: -u[0])
+        batches: list[list[tuple[int, list[int]]]] = []
+        for unit in units:
+            if (
+                batches
+                and batches[-1][0][0] * (len(batches[-1]) + 1) <= self.cfg.micro_batch_tokens
+            ):
+                batches[-1].append(unit)  # the first unit is the widest, since sorted
+            else:
+                batches.append([unit])
+        return [pack(samples, [u for _, u in batch], self.device) for batch in batches]
 
     @torch.no_grad()
     def _score(
         self, model: torch.nn.Module, samples: list[TrainSample], only_loss: bool = True
     ) -> list[torch.Tensor]:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in micro_batches(list(range(len(samples))), samples, self.cfg.micro_batch_tokens):
-            rows = [samples[i] for i in mb]
-            ids, attn = self._inputs(rows)
-            mask = self._pad([s.loss_mask for s in rows], 0, torch.long) if only_loss else None
+        for mb in self._packs(list(range(len(samples))), samples):
             with self._autocast():
-                logp, _ = token_logprobs(model, ids, attn, self.temperature, score_mask=mask)
-            for j, i in enumerate(mb):
+                logp, _, logits = token_logprobs(
+                    model, mb, samples, self.temperature, only_loss=only_loss
+                )
+            self._flops += self.shape.forward_flops(mb.tokens, logits, mb.attended)
+            for j, i in enumerate(mb.samples):
                 out[i] = logp[j, : len(samples[i].token_ids)].float()
         return out
 
@@ -175,6 +318,7 @@ class TorchBackend:
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         check_samples(samples)
+        start, self._flops = time.perf_counter(), 0
         separate_proximal = self.algorithm.num_minibatches > 1 and len(samples) > 1
         proximal = self._score(self.model, samples) if separate_proximal else None
         ref = self._score(self.ref_model, samples) if self.ref_model is not None else None
@@ -187,22 +331,22 @@ class TorchBackend:
             num_seqs = sum(1 for i in mini if any(samples[i].loss_mask))
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for mb in micro_batches(mini, samples, self.cfg.micro_batch_tokens):
+            for packed in self._packs(mini, samples):
+                mb = packed.samples
                 rows = [samples[i] for i in mb]
-                ids, attn = self._inputs(rows)
                 mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
                 behaviour = self._pad([s.logprobs for s in rows], 0.0, torch.float32)
                 adv = torch.tensor([s.advantage for s in rows], device=self.device)
                 adv = adv[:, None].expand_as(mask)
                 with self._autocast():
-                    logp, entropy = token_logprobs(
+                    logp, entropy, logits = token_logprobs(
                         self.model,
-                        ids,
-                        attn,
+                        packed,
+                        samples,
                         self.temperature,
                         self.algorithm.entropy_coef > 0,
-                        score_mask=mask,
                     )
+                self._flops += self.shape.train_flops(packed.tokens, logits, packed.attended)
                 if proximal is None:
                     prox = logp.detach()
                 else:
@@ -232,6 +376,7 @@ class TorchBackend:
             losses.append(loss_sum)
         self.scheduler.step()
         self._step += 1
+        seconds = time.perf_counter() - start
         metrics = reduce_metrics(outputs)
         metrics.update(
             {
@@ -240,6 +385,8 @@ class TorchBackend:
                 "train/lr": lr,
                 "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
                 "train/sequences": float(len(samples)),
+                "perf/train_tflops": self._flops / seconds / 1e12,
+                "perf/mfu": self._flops / seconds / (self.peak_gflops * 1e9),
             }
         )
         return metrics

@@ -40,7 +40,7 @@ import os
 import shutil
 import socket
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from trainer.backends.base import (
     pad_rows,
     rng_state,
     set_rng_state,
+    train_dtype,
 )
 from trainer.backends.megatron import compat
 from trainer.backends.megatron.convert import (
@@ -184,12 +185,15 @@ class MegatronBackend:
                 "train.kind=megatron needs megatron-core: pip install -e '.[megatron]'"
             ) from None
 
+        self.cuda = torch.cuda.is_available()
+        if train.dtype == "auto":  # bf16 where native and faster (GPUs), else fp32
+            bf16 = train_dtype("auto", "cuda" if self.cuda else "cpu") == torch.bfloat16
+            train = replace(train, dtype="bf16" if bf16 else "fp32")
         self.cfg = train
         self.algorithm = algorithm
         self.temperature = temperature
         self.total_steps = total_steps
         self.model_path = Path(model_path)
-        self.cuda = torch.cuda.is_available()
         if train.device == "cpu" and self.cuda:
             raise ValueError(
                 "train.device=cpu: the megatron backend runs on the GPUs it is given; "

@@ -1,0 +1,279 @@
+"""What this machine can do, measured: matmul GFLOP/s, memcpy GB/s, native bf16; and model FLOPs.
+
+Benchmarks print every component against these numbers, measured in the same run (a roofline),
+the trainer's `dtype: auto` asks `auto_dtype`, and MFU divides counted FLOPs by a measured peak.
+
+- Probes are quick (a fraction of a second each), keep the best of a few repeats (a rate is a
+  capability: load from other processes only ever slows it down) and are cached per process.
+- `matmul_gflops(m, k, n)` times `x[m, k] @ w[n, k].T` (a linear layer) with the fastest kernel
+  torch has here: `F.linear` (MKL on x86) and, on CPUs, oneDNN's linear. The same weight is
+  reused, so it is cache-hot: at small m a matmul is bounded by memory instead.
+- Memory, with buffers well beyond the last-level cache: `memcpy_gbps` is bytes copied per
+  second (what a transfer that runs at memcpy speed shows), `read_gbps` bytes read per second
+  by a reduction. A decode step at batch 1 only reads its weights, so the roofline's memory
+  term uses the read rate; a copy moves each byte twice (read, then write), so memcpy's rate
+  would understate the roof (here by ~2x).
+- `native_bf16` is what the hardware says (CUDA; AVX512-BF16 or AMX on x86), not a timing:
+  on CPUs without it (AVX2-only laptops and VMs) bf16 matmuls are emulated and 6-15x slower
+  than fp32. `auto_dtype` picks bf16 only where it is native AND measured faster.
+
+FLOPs (`ModelShape`) count 2 per multiply-add of the matmuls: the linear layers (with q/k/v and
+gate/up fused, as a fast implementation runs them), the LM head on the positions whose logits
+are computed, and attention's QK^T and PV. Norms, activations, RoPE and softmax are left out
+(well under 1% of the total for these models).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+PROBE_SECONDS = 0.25
+"""Wall time of one probe (split over 3 repeats)."""
+MEMCPY_BYTES = 256 * 2**20
+"""Buffer size of the memcpy probe: far beyond any last-level cache."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that its FLOPs and weight bytes depend on."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    """The LM head is the input embedding (counted once in `params`)."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From an HF config object or its dict (Llama-style field names)."""
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        heads = get("num_attention_heads")
+        return cls(
+            layers=get("num_hidden_layers"),
+            hidden=get("hidden_size"),
+            intermediate=get("intermediate_size"),
+            heads=heads,
+            kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or get("hidden_size") // heads,
+            vocab=get("vocab_size"),
+            tied=bool(get("tie_word_embeddings", False)),
+        )
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """Per layer: name -> (in, out) features, q/k/v and gate/up fused."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "qkv": (self.hidden, q + 2 * kv),
+            "o": (q, self.hidden),
+            "gate_up": (self.hidden, 2 * self.intermediate),
+            "down": (self.intermediate, self.hidden),
+        }
+
+    @property
+    def params(self) -> int:
+        """Parameters (tied embeddings once)."""
+        per_layer = sum(i * o for i, o in self.linears().values()) + 2 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * per_layer + embeddings + self.hidden
+
+    def weight_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one forward reads (every weight but the input embedding table, which is only
+        gathered from; with tied embeddings the LM head reads it all)."""
+        read = self.params - (0 if self.tied else self.vocab * self.hidden)
+        return read * dtype.itemsize
+
+    def forward_flops(self, tokens: int, logits: int | None = None, attended: int = 0) -> int:
+        """FLOPs of a forward over `tokens` tokens, `logits` of them through the LM head (default
+        all), where `attended` sums, over the tokens, the positions each one attends to."""
+        logits = tokens if logits is None else logits
+        linear = sum(i * o for i, o in self.linears().values())
+        attention = 2 * self.heads * self.head_dim * attended  # QK^T and PV
+        return 2 * (self.layers * (tokens * linear + attention) + logits * self.hidden * self.vocab)
+
+    def train_flops(self, tokens: int, logits: int | None = None, attended: int = 0) -> int:
+        """Forward + backward (twice the forward's matmuls)."""
+        return 3 * self.forward_flops(tokens, logits, attended)
+
+
+def causal_attended(lengths: Sequence[int]) -> int:
+    """`attended` for causal forwards over whole sequences of these lengths."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def generation_seconds(
+    shape: ModelShape,
+    prompts: Sequence[int],
+    new_tokens: int,
+    matmul_gflops: Callable[[int, int, int], float],
+    read_gbps: float,
+    dtype: torch.dtype = torch.float32,
+    distinct: Sequence[int] | None = None,
+) -> float:
+    """Roofline: the least time to prefill `prompts` (their lengths) and then decode them
+    together until each has `new_tokens` new tokens, at these rates.
+
+    Prefill: its matmuls (real tokens only, of the `distinct` prompts if some prompts are
+    identical; logits of each prompt's last position) at the rates of their shapes, or one read
+    of the weights if slower. Each decode step: the larger of its matmuls at the batch's
+    shapes and one read of the weights plus the KV cache."""
+    rows = len(prompts)
+    distinct = prompts if distinct is None else distinct
+
+    def matmuls(m: int, logits: int, attended: int) -> float:
+        seconds = sum(
+            shape.layers * 2 * m * i * o / (matmul_gflops(m, i, o) * 1e9)
+            for i, o in shape.linears().values()
+        )
+        seconds += (
+            2
+            * logits
+            * shape.hidden
+            * shape.vocab
+            / (matmul_gflops(logits, shape.hidden, shape.vocab) * 1e9)
+        )
+        attention = shape.forward_flops(0, 0, attended)
+        return seconds + attention / (matmul_gflops(m, shape.hidden, shape.hidden) * 1e9)
+
+    weights = shape.weight_bytes(dtype) / (read_gbps * 1e9)
+    total = max(matmuls(sum(distinct), rows, causal_attended(distinct)), weights)
+    kv_bytes_per_position = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
+    for step in range(1, new_tokens):
+        context = [n + step for n in prompts]
+        kv = sum(context) * kv_bytes_per_position / (read_gbps * 1e9)
+        total += max(matmuls(rows, rows, sum(context)), weights + kv)
+    return total
+
+
+def matmul_gflops(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
+    """Measured GFLOP/s of a linear layer `[m, k] x [n, k]^T` (cached per process)."""
+    return _cached_matmul(m, k, n, dtype, str(device))
+
+
+def measure_matmul(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
+    """`matmul_gflops` measured now (benchmarks re-measure between runs and keep the best)."""
+    device = str(device)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = torch.randn(n, k, generator=gen).to(device, dtype)
+    best = 0.0
+    with torch.inference_mode():
+        for kernel in _linear_kernels(device):
+            try:
+                seconds = _best_seconds(lambda f=kernel: f(x, w), device)
+            except RuntimeError:  # a kernel without this dtype here
+                continue
+            best = max(best, 2 * m * k * n / seconds / 1e9)
+    return best
+
+
+def memcpy_gbps(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """Measured bytes copied per second (GB/s) between two large buffers (cached)."""
+    return _cached_memcpy(str(device), nbytes)
+
+
+def measure_memcpy(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """`memcpy_gbps` measured now."""
+    device = str(device)
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return nbytes / _best_seconds(lambda: dst.copy_(src), device) / 1e9
+
+
+_cached_matmul = functools.cache(measure_matmul)
+_cached_memcpy = functools.cache(measure_memcpy)
+
+
+def read_gbps(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """Measured bytes read per second (GB/s) from a large buffer (cached)."""
+    return _cached_read(str(device), nbytes)
+
+
+def measure_read(device: str = "cpu", nbytes: int = MEMCPY_BYTES) -> float:
+    """`read_gbps` measured now."""
+    device = str(device)
+    src = torch.ones(nbytes // 4, device=device)
+    return nbytes / _best_seconds(src.sum, device) / 1e9
+
+
+_cached_read = functools.cache(measure_read)
+
+
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether bf16 matmuls run in hardware here (not emulated)."""
+    device = str(device)
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def auto_dtype(device: str = "cpu", shape: tuple[int, int, int] = (1024, 576, 1536)) -> torch.dtype:
+    """bf16 where the hardware has it and a `shape` matmul measures faster; fp32 otherwise."""
+    if not native_bf16(device):
+        return torch.float32
+    faster = matmul_gflops(*shape, torch.bfloat16, device) > matmul_gflops(*shape, device=device)
+    return torch.bfloat16 if faster else torch.float32
+
+
+def describe(device: str = "cpu") -> str:
+    """One line naming the hardware, for benchmark and run headers."""
+    device = str(device)
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)}, bf16 native: {native_bf16(device)}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"{name}, {torch.get_num_threads()} torch threads, {capability}, "
+        f"bf16 native: {'yes' if native_bf16(device) else 'no'}"
+    )
+
+
+def _linear_kernels(device: str) -> list[Callable]:
+    kernels: list[Callable] = [F.linear]
+    if device == "cpu" and torch.backends.mkldnn.is_available():
+        kernels.append(_onednn_linear)
+    return kernels
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _best_seconds(fn: Callable[[], object], device: str, repeats: int = 3) -> float:
+    """Fastest mean time of `fn` over `repeats` windows of PROBE_SECONDS / repeats each."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= PROBE_SECONDS / repeats:
+                break
+        best = min(best, elapsed / calls)
+    return best

@@ -1,0 +1,267 @@
+"""The local engine's two forwards (lean Llama over a slot cache, transformers' own) against
+transformers itself, and one request's non-finite numbers never reaching its batch neighbours."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from gateway.engines import _llama
+from gateway.engines.base import EngineError, SamplingParams
+from gateway.engines.local import LocalEngine
+
+PROMPTS = [[1, 504, 3458, 282, 4799, 314], [1, 28, 17, 9, 355], [1, 8396, 2, 7, 1306, 52, 52]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def sampled(seed: int, max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **kw)
+
+
+def tiny_variant(src, dst, **overrides):
+    """A tiny random model like `tiny` (same tokenizer) with other config fields."""
+    config = AutoConfig.from_pretrained(src)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def untied_path(tiny_model_path, tmp_path_factory):
+    """Llama with a separate LM head: NaN in one input embedding reaches only rows fed it."""
+    return tiny_variant(
+        tiny_model_path, tmp_path_factory.mktemp("untied"), tie_word_embeddings=False
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen2_path(tiny_model_path, tmp_path_factory):
+    """An architecture the lean forward does not cover (biased q/k/v)."""
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    fields = {
+        k: getattr(config, k)
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+        )
+    }
+    dst = tmp_path_factory.mktemp("qwen2")
+    qwen = AutoConfig.for_model("qwen2", tie_word_embeddings=True, **fields)
+    qwen.save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_path / name, dst / name)
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(qwen).to(torch.float32).save_pretrained(dst)
+    return dst
+
+
+def hf_reference(path, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy tokens (generate) and the teacher-forced logprobs of them."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )[0, len(prompt) :].tolist()
+        logp = torch.log_softmax(model(torch.tensor([prompt + out])).logits[0].float(), dim=-1)
+    targets = torch.tensor(out)[:, None]
+    return out, logp[len(prompt) - 1 : -1].gather(-1, targets)[:, 0]
+
+
+def test_lean_forward_covers_llama_only(tiny_model_path, qwen2_path):
+    assert _llama.unsupported(AutoConfig.from_pretrained(tiny_model_path)) is None
+    assert "model_type" in _llama.unsupported(AutoConfig.from_pretrained(qwen2_path))
+
+
+@pytest.mark.parametrize(
+    ("model", "forward", "expect"),
+    [
+        ("tiny", "auto", "lean"),
+        ("untied", "auto", "lean"),
+        ("tiny", "transformers", "transformers"),
+        ("qwen2", "auto", "transformers"),
+    ],
+)
+async def test_each_forward_matches_hf(
+    tiny_model_path, untied_path, qwen2_path, model, forward, expect
+):
+    path = {"tiny": tiny_model_path, "untied": untied_path, "qwen2": qwen2_path}[model]
+    refs = [hf_reference(path, p, 12) for p in PROMPTS]
+    async with LocalEngine(path, forward=forward, max_batch_size=2) as eng:
+        assert eng.forward == expect
+        together = await asyncio.gather(*(eng.generate(p, GREEDY) for p in PROMPTS))
+        seqs = [p + o.output_ids for p, o in zip(PROMPTS, together, strict=True)]
+        scores = await eng.score(seqs, [3, 2, 5])
+    for prompt, (tokens, logp), out, score in zip(PROMPTS, refs, together, scores, strict=True):
+        assert out.output_ids == tokens
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), logp, atol=1e-4, rtol=0)
+        seq = prompt + tokens
+        assert len(score) == len(seq) - [3, 2, 5][PROMPTS.index(prompt)]
+        torch.testing.assert_close(torch.tensor(score[-len(tokens) :]), logp, atol=1e-4, rtol=0)
+
+
+async def test_slot_cache_grows_and_compacts_under_load(tiny_model_path, monkeypatch):
+    """Rows leave from the middle (the last rows move into their places) while the cache grows
+    past its first capacity; every request still equals its run alone."""
+    capacities = []
+    reserve = _llama.SlotCache.reserve
+
+    def spy(cache, rows, positions):
+        reserve(cache, rows, positions)
+        capacities.append(cache.kv.shape[4])
+
+    monkeypatch.setattr(_llama.SlotCache, "reserve", spy)
+    n_min = _llama.SlotCache.MIN_POSITIONS
+    reqs = [
+        (PROMPTS[i % 3] * (1 + i % 4), sampled(i, max_tokens=4 + (i * 37) % (2 * n_min)))
+        for i in range(10)
+    ]
+    async with LocalEngine(tiny_model_path, max_batch_size=6) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in reqs]
+        together = await asyncio.gather(*(eng.generate(p, sp) for p, sp in reqs))
+    assert max(capacities) >= 2 * n_min
+    for a, b in zip(alone, together, strict=True):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------- failure isolation
+
+
+async def run_together(eng: LocalEngine, requests: list[tuple[list[int], SamplingParams]]):
+    """Submit while paused, so that every request is prefilled and decoded in one batch."""
+    await eng.pause()
+    tasks = [asyncio.ensure_future(eng.generate(p, sp)) for p, sp in requests]
+    await asyncio.sleep(0.05)
+    await eng.resume()
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# Row order matters: the last (short) bystander moves into the bad request's row when it
+# leaves, and the long one keeps the attended width beyond the short one's length there.
+BYSTANDERS = [(PROMPTS[2] * 4, GREEDY), (PROMPTS[1], sampled(7, temperature=0.8, top_p=0.9))]
+
+
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+async def test_a_non_finite_row_ends_only_its_request(untied_path, forward):
+    async with LocalEngine(untied_path, forward=forward) as eng:
+        probe = await eng.generate(PROMPTS[0], GREEDY)
+        alone = [await eng.generate(p, sp) for p, sp in BYSTANDERS]
+        used = {t for p, sp in BYSTANDERS for t in p} | {t for a in alone for t in a.output_ids}
+        # A token the bad request generates at its 4th step and nobody else ever sees.
+        bad = next(t for t in probe.output_ids[3:] if t not in used | set(PROMPTS[0]))
+        cut = probe.output_ids.index(bad) + 1
+        embed = eng._weights["model.embed_tokens.weight"].clone()
+        embed[bad] = float("nan")
+        await eng.update_weights({"model.embed_tokens.weight": embed}, version=1)
+        # In its prompt: it fails at prefill. Generated: it fails at the decode step feeding it.
+        for prompt in ([bad, *PROMPTS[0] * 3], PROMPTS[0]):
+            outs = await run_together(eng, [(prompt, GREEDY), *BYSTANDERS])
+            assert isinstance(outs[0], EngineError) and "non-finite logits" in str(outs[0])
+            for got, want in zip(outs[1:], alone, strict=True):
+                assert got.output_ids == want.output_ids
+                torch.testing.assert_close(
+                    got.output_logprobs, want.output_logprobs, atol=1e-4, rtol=0
+                )
+        streamed = []
+        with pytest.raises(EngineError, match="non-finite"):
+            async for chunk in eng.stream(PROMPTS[0], GREEDY):
+                streamed += chunk.token_ids
+        assert streamed == probe.output_ids[:cut]  # its tokens up to the bad one were delivered
+        assert eng.load == 0 and await eng.health()
+        # The row it used is clean for the next request placed there.
+        for (p, sp), want in zip(BYSTANDERS, alone, strict=True):
+            assert (await eng.generate(p, sp)).output_ids == want.output_ids
+
+
+async def test_an_overflowing_temperature_ends_only_its_request(untied_path):
+    async with LocalEngine(untied_path) as eng:
+        with pytest.raises(ValueError, match="temperature"):  # visible up front: refused
+            eng.stream(PROMPTS[0], SamplingParams(temperature=1e-40))
+        # Logits ~1e3 (a scaled LM head) over a temperature that is a normal float32: inf.
+        head = eng._weights["lm_head.weight"] * 1e4
+        await eng.update_weights({"lm_head.weight": head}, version=1)
+        alone = [await eng.generate(p, sp) for p, sp in BYSTANDERS]
+        outs = await run_together(eng, [(PROMPTS[0], sampled(1, temperature=2e-38)), *BYSTANDERS])
+        assert isinstance(outs[0], ValueError) and "temperature" in str(outs[0])
+        for got, want in zip(outs[1:], alone, strict=True):
+            assert got.output_ids == want.output_ids
+        assert eng.load == 0
+
+
+async def test_identical_prompts_are_prefilled_once(tiny_model_path, monkeypatch):
+    """n samples of one prompt (GRPO groups, `n` > 1): one prefill, each its own sample."""
+    packed = []
+    real = _llama.Step.packed.__func__
+
+    def spy(cls, seqs, rows, logits_at):
+        packed.append(len(seqs))
+        return real(cls, seqs, rows, logits_at)
+
+    monkeypatch.setattr(_llama.Step, "packed", classmethod(spy))
+    group = [(PROMPTS[0], sampled(s, temperature=0.9)) for s in range(4)]
+    group += [(PROMPTS[1], GREEDY), (PROMPTS[0], GREEDY), (PROMPTS[1], GREEDY)]
+    async with LocalEngine(tiny_model_path) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in group]
+        packed.clear()
+        together = await run_together(eng, group)
+    assert packed == [2]  # two distinct prompts in the one prefill of seven requests
+    for a, b in zip(alone, together, strict=True):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
+    assert len({tuple(o.output_ids) for o in together[:4]}) == 4  # different seeds, samples
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_lean_forward_in_half_precision(tiny_model_path, dtype):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=getattr(torch, dtype))
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8)
+    async with LocalEngine(tiny_model_path, dtype=dtype) as eng:
+        assert eng.forward == "lean"
+        out = await eng.generate(
+            prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        )
+    assert out.output_ids == want[0, len(prompt) :].tolist()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.output_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+    ref = ref.gather(-1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.slow
+async def test_smollm2_bystanders_unharmed_by_an_overflowing_temperature(smollm2_path):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        for q in ("What is 2+2?", "Name a colour.", "Say hello.")
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    bystanders = [(prompts[1], GREEDY), (prompts[2], sampled(3, temperature=0.7, top_k=40))]
+    async with LocalEngine(smollm2_path) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in bystanders]
+        bad = (prompts[0], sampled(1, temperature=2e-38))  # a normal float32; logits/T = inf
+        outs = await run_together(eng, [bad, *bystanders])
+    assert isinstance(outs[0], ValueError) and "temperature" in str(outs[0])
+    for got, want in zip(outs[1:], alone, strict=True):
+        assert got.output_ids == want.output_ids
+        torch.testing.assert_close(got.output_logprobs, want.output_logprobs, atol=1e-4, rtol=0)
