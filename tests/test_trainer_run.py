@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -20,6 +21,34 @@ REQUIRED = [
     "time/trainer_idle_frac", "staleness/mean", "staleness/max", "mismatch/logprob_abs_diff",
     "mismatch/k3_kl", "mismatch/ratio_max", "mismatch/clip_frac", "train/grad_norm", "train/lr",
 ]  # fmt: skip
+
+
+def test_a_stopped_run_does_not_wait_for_a_call_in_flight():
+    """A blocking call in flight (here a 10-minute sleep standing for a train step on a loaded
+    CPU) does not hold a run stopped by Ctrl-C: its executor neither waits for it at shutdown nor
+    is joined at exit. With asyncio's default executor this test times out."""
+    script = textwrap.dedent("""
+        import asyncio, time
+        from trainer.run import DaemonThreads
+        def step():
+            print("in flight", flush=True)
+            time.sleep(600)
+        async def main():
+            asyncio.get_running_loop().set_default_executor(DaemonThreads())
+            await asyncio.to_thread(step)
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        first = proc.stdout.readline()
+        assert first == "in flight\n", first + proc.stdout.read()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in out, out
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ the sandboxes of black-box agents. `--help` lists every key with its help text;
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -118,6 +119,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     AgentFlow.check(cfg.rollout.env, cfg.agent)  # before loading anything
     print(resolve_dtype(cfg), file=sys.stderr, flush=True)
     model_path = resolve_model(cfg.model.name)
+    asyncio.get_running_loop().set_default_executor(DaemonThreads())
     async with contextlib.AsyncExitStack() as stack:
         engines, backend = await stack.enter_async_context(engines_and_backend(cfg, model_path))
         _stop_on_sigterm(stack)
@@ -142,6 +144,31 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             run_dir=run_dir,
         )
         return await controller.run()
+
+
+class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+    """The run's executor for blocking calls (`asyncio.to_thread`): each call in a daemon thread,
+    and shutdown waits for none. A stopped run then exits at once even while a train step, a
+    weight push or a save is in flight (asyncio.run and the interpreter would otherwise wait for
+    it: minutes for a train step on a loaded CPU). What such a call would have produced is
+    lost; checkpoints are written atomically, so the last one stands. (A ThreadPoolExecutor only
+    because asyncio accepts no other kind as the default; its pool is never used.)"""
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # the awaiting task re-raises it
+                    future.set_exception(e)
+
+        threading.Thread(target=call, name=getattr(fn, "__name__", "call"), daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to wait for: the threads are daemons."""
 
 
 def _stop_on_sigterm(stack: contextlib.AsyncExitStack) -> None:
