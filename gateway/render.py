@@ -28,7 +28,9 @@ is rendered from scratch and counted.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,9 @@ class ToolCall:
     name: str
     arguments: str
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    valid: bool = True
+    """False for a forced call the model did not complete: `arguments` then holds the raw text
+    it wrote (not valid JSON), as OpenAI returns a forced call cut short."""
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -82,11 +87,15 @@ class ToolCallParser:
 
     `push(text)` returns events: `("text", str)` for content that is certainly not part of a
     tool call, `("tool_call", ToolCall)` for each complete, valid call. `finish()` flushes what is
-    held back. A block whose JSON is malformed (or lacks a name) is given back as text.
+    held back. A block whose JSON is malformed (or lacks a name) is given back as text — except
+    when the call was `forced` (the prompt ends inside a `<tool_call>` block, `prefix`): then it
+    is a failed call (`valid=False`, the model's raw text as arguments), never content, since
+    the client asked for a call and the opening text is the gateway's, not the model's.
     """
 
-    def __init__(self, prefix: str = "") -> None:
+    def __init__(self, prefix: str = "", forced: bool = False) -> None:
         self._buf = prefix
+        self.forced = forced
         self._in_call = False
         self.calls: list[ToolCall] = []
         self.content_parts: list[str] = []
@@ -113,7 +122,8 @@ class ToolCallParser:
             block = self._buf[: j + len(TOOL_CALL_CLOSE)]
             self._buf = self._buf[len(block) :]
             self._in_call = False
-            call = parse_tool_call_json(block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])
+            raw = block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)]
+            call = parse_tool_call_json(raw) or (failed_tool_call(raw) if self.forced else None)
             if call is None:
                 self._emit_text(block, events)
             else:
@@ -126,7 +136,8 @@ class ToolCallParser:
         if self._in_call:
             # an unterminated block: accept it when it holds a complete call (the model often
             # stops right after the JSON), else it is plain text
-            call = parse_tool_call_json(rest[len(TOOL_CALL_OPEN) :])
+            raw = rest[len(TOOL_CALL_OPEN) :]
+            call = parse_tool_call_json(raw) or (failed_tool_call(raw) if self.forced else None)
             if call is not None:
                 self.calls.append(call)
                 events.append(("tool_call", call))
@@ -162,6 +173,16 @@ def parse_tool_call_json(raw: str) -> ToolCall | None:
     if not isinstance(args, dict):  # OpenAI arguments (and Anthropic input) are JSON objects
         return None
     return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+def failed_tool_call(raw: str) -> ToolCall:
+    """A call the model did not complete: its name when it wrote one, and the raw text after
+    `"arguments":` (or all of it) as arguments."""
+    match = re.match(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"', raw)
+    at = raw.find('"arguments"')
+    colon = raw.find(":", at) if at >= 0 else -1
+    arguments = raw[colon + 1 :] if colon >= 0 else raw
+    return ToolCall(match.group(1) if match else "", arguments.strip(), valid=False)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
@@ -362,6 +383,12 @@ class Renderer:
         if self._fast is not None:
             return self._fast.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to (x2 for merges at token boundaries): a text
+        of N characters is at least N / max_token_chars tokens, whatever the tokenizer does."""
+        return 2 * max(len(self.decode([i])) for i in range(len(self.tokenizer)))
 
     def token_text(self, token_id: int) -> str:
         """One token as text (for logprobs); special tokens keep their name."""

@@ -4,9 +4,9 @@ A session holds the calls' turns (the trajectory being built), the token-in-toke
 used to render the next prompt, the reward the controller attaches, and its in-flight requests
 (for the per-session concurrency limit and for aborting them on close). `SessionStore` finds
 sessions by id and by API key and forgets the oldest closed ones beyond a bound, so a long
-training run does not grow without limit. In open mode the gateway also closes sessions idle for
-`idle_session_s` and moves each to `<id>~1` (then `~2`, ...), where it stays exportable; a key
-that comes back after that starts a fresh session under its id.
+training run does not grow without limit. A closed open-mode session (closed by the admin, or idle
+for `idle_session_s`) moves to `<id>~1` (then `~2`, ...), where it stays exportable; its key's
+next request starts a fresh session under the id.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class Session:
     sampling: dict[str, Any] = field(default_factory=dict)
     """Sampling fields forced on every call (training: the rollout temperature the trainer
     scales its logits by), whatever a black-box agent asks for."""
+    max_tokens: int | None = None
+    """A cap on every call's output, applied when the agent asks for more or for nothing
+    (black-box agents that send no max_tokens)."""
+    open_mode: bool = False
+    """Opened by its key in auth=open: closing it frees the key for a fresh session."""
     _idle: asyncio.Event | None = None
 
     def add_turn(self, turn: Turn) -> None:
@@ -127,8 +132,16 @@ class SessionStore:
         while len(self._closed) > self.max_closed:
             old, _ = self._closed.popitem(last=False)
             gone = self._by_id.pop(old, None)
-            if gone is not None:
-                self._by_key.pop(gone.api_key, None)
+            if gone is not None and self._by_key.get(gone.api_key) is gone:
+                del self._by_key[gone.api_key]
+
+    def discard(self, session: Session) -> None:
+        """Forget a session that never served a request (opened by a request that failed)."""
+        if self._by_id.get(session.id) is session:
+            del self._by_id[session.id]
+        if self._by_key.get(session.api_key) is session:
+            del self._by_key[session.api_key]
+        self._closed.pop(session.id, None)
 
     def archive(self, session: Session) -> None:
         """Move a closed session to a free id `<id>~<n>`, so its id can start a new session."""
@@ -137,7 +150,8 @@ class SessionStore:
             n += 1
         new_id = f"{session.id}~{n}"
         del self._by_id[session.id], self._closed[session.id]
-        self._by_key.pop(session.api_key, None)
+        if self._by_key.get(session.api_key) is session:
+            del self._by_key[session.api_key]
         session.id = session.trajectory.session_id = new_id
         self._by_id[new_id] = session
         self._closed[new_id] = None

@@ -4,14 +4,26 @@ Defined once here, since the gateway produces it, and used by the trainer, Agent
 sandbox runners alike. A turn is one engine call; segments are the maximal token sequences
 obtained by merging each turn onto an earlier segment whose tokens its prompt extends exactly.
 Nothing is ever re-tokenized: segments are made only of ids the gateway sent to the engine and
-ids the engine sampled.
+ids the engine sampled. A turn whose reply never reached the client (it disconnected, or its
+request was aborted at shutdown) stays in `turns` with `delivered=False` but is left out of the
+segments: the agent never saw those tokens, so nothing it did next (and no reward) depends on
+them, and the trainer, which trains on segments only, never trains on them.
+
+`TrajectoryLog` appends closed trajectories to a JSONL file, one line each, fsync'd before the
+close returns (the gateway's `log_dir`); `read_trajectories` reads such a file back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+import orjson
 
 Status = Literal["ok", "aborted", "error"]
 
@@ -31,6 +43,13 @@ class Turn:
     endpoint: str = ""
     started_at: float = 0.0
     duration_s: float = 0.0
+    delivered: bool = True
+    """False when the client went away before the whole reply reached it; such a turn is kept
+    here but left out of the segments."""
+    max_tokens: int | None = None
+    """The output cap the engine was given (the session's cap, when it forces one)."""
+    asked_max_tokens: int | None = None
+    """The max_tokens the client asked for (None: it sent none)."""
 
 
 @dataclass
@@ -96,6 +115,8 @@ def build_segments(turns: list[Turn]) -> tuple[list[Segment], int]:
     seen_prompts: set[tuple[int, ...]] = set()
     forks = 0
     for turn in turns:
+        if not turn.delivered:
+            continue
         prompt = turn.prompt_ids
         target = next(
             (
@@ -113,3 +134,35 @@ def build_segments(turns: list[Turn]) -> tuple[list[Segment], int]:
         seen_prompts.add(tuple(prompt))
         target.extend(prompt, turn)
     return segments, forks
+
+
+class TrajectoryLog:
+    """Appends trajectories to a JSONL file, one line each, durably (flushed and fsync'd)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        with open(self.path, "ab+") as f:  # end a line a crash cut short, so it stays alone
+            if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+
+    def append(self, traj: Trajectory) -> None:
+        """Blocking (an fsync): call it from a worker thread in async code."""
+        line = orjson.dumps(traj.to_dict()) + b"\n"
+        with self._lock, open(self.path, "ab") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
+    """The trajectories of a gateway's `log_dir/trajectories.jsonl` (or any file written by
+    `TrajectoryLog`), in the order they closed. Lines a crash cut short are skipped."""
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                data = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a write a crash interrupted
+            yield Trajectory.from_dict(data)

@@ -7,21 +7,27 @@ See `sandbox/base.py` for the interface, `sandbox/docker_backend.py` and
 """
 
 from sandbox.base import (
-    BACKENDS,
+    SANDBOXES,
     RunResult,
     Sandbox,
     SandboxConfig,
     SandboxError,
+    Stopper,
     open_sandbox,
     run_once,
+    stop_all,
+    unavailable,
 )
 
 __all__ = [
-    "BACKENDS",
+    "SANDBOXES",
     "RunResult",
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
+    "Stopper",
     "open_sandbox",
     "run_once",
+    "stop_all",
+    "unavailable",
 ]

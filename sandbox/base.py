@@ -11,9 +11,10 @@ out of a private work dir; stdout/stderr are captured.
         res = sb.run(["python3", "agent.py"], env={"OPENAI_API_KEY": session_key})
         files = sb.get_files(["answer.txt"])
 
-Backends (chosen by `kind`, registered in `BACKENDS`): `docker` (`sandbox/docker_backend.py`)
-and `local` (`sandbox/local_backend.py`: bubblewrap, or a bare process group). Each module's
-docstring says what isolation it does *not* give.
+Backends (chosen by `kind`, registered in `SANDBOXES` by a lazy entry point: a class built from
+the `SandboxConfig`): `docker` (`sandbox/docker_backend.py`) and `local`
+(`sandbox/local_backend.py`: bubblewrap, or a bare process group). Each module's docstring says
+what isolation it does *not* give.
 
 A misbehaving agent is data, not an exception: `run` returns a `RunResult` whose `status` is
 `ok` (exit code 0), `error` (non-zero exit, or the sandbox could not run it), `timeout` (wall
@@ -31,14 +32,21 @@ import logging
 import os
 import signal
 import stat
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
+
+from gateway.registry import Registry
 
 log = logging.getLogger("loongsage.sandbox")
 
 DEFAULT_IMAGE = "loongsage-sandbox:latest"
 Status = Literal["ok", "timeout", "killed", "error"]
+
+SANDBOXES: Registry[Sandbox] = Registry("sandbox.kind")
+SANDBOXES.register("docker", "sandbox.docker_backend:DockerSandbox")
+SANDBOXES.register("local", "sandbox.local_backend:LocalSandbox")
 
 
 class SandboxError(RuntimeError):
@@ -47,7 +55,7 @@ class SandboxError(RuntimeError):
 
 @dataclasses.dataclass
 class SandboxConfig:
-    kind: Literal["local", "docker"] = "local"
+    kind: str = "local"
     """Backend: `docker` (a container per run) or `local` (bubblewrap if present, else a bare process group)."""
     image: str = DEFAULT_IMAGE
     """Docker image (needs `python3` when a gateway is wired); build the default with `python -m sandbox.image build`."""
@@ -75,10 +83,11 @@ class SandboxConfig:
     """Keep at most this many trailing bytes of stdout and of stderr per run."""
     local_isolation: Literal["auto", "bwrap", "process"] = "auto"
     """local backend: `bwrap` (namespaces), `process` (rlimits only, less isolation), `auto` = bwrap when installed."""
-    local_ro_binds: list[str] = dataclasses.field(default_factory=list)
-    """local+bwrap: extra host paths bound read-only at the same place (the system dirs and this Python are always bound)."""
+    ro_binds: list[str] = dataclasses.field(default_factory=list)
+    """Host paths (absolute) the agent may read, at the same path inside, e.g. an agent's own venv; a venv's base Python (pyvenv.cfg `home`) comes with it. local: bound read-only (bwrap) or made reachable by the sandbox uid (process mode as root); docker: read-only bind mounts (folders above them are the image's)."""
 
     def __post_init__(self) -> None:
+        SANDBOXES.check(self.kind)
         positive = ("memory_mb", "cpus", "pids", "timeout_s", "disk_mb", "output_limit_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -87,6 +96,9 @@ class SandboxConfig:
             raise ValueError(f"sandbox.gateway_port must be in 0..65535, got {self.gateway_port}")
         if not self.gateway_path.startswith("/"):
             raise ValueError(f"sandbox.gateway_path must start with '/', got {self.gateway_path!r}")
+        for path in self.ro_binds:
+            if not os.path.isabs(path):
+                raise ValueError(f"sandbox.ro_binds: {path!r} must be an absolute host path")
 
 
 @dataclasses.dataclass
@@ -135,30 +147,18 @@ class Sandbox(Protocol):
     ) -> RunResult: ...
 
 
-def _docker_backend(cfg: SandboxConfig) -> Sandbox:
-    from sandbox.docker_backend import DockerSandbox
-
-    return DockerSandbox(cfg)
-
-
-def _local_backend(cfg: SandboxConfig) -> Sandbox:
-    from sandbox.local_backend import LocalSandbox
-
-    return LocalSandbox(cfg)
-
-
-BACKENDS: dict[str, Callable[[SandboxConfig], Sandbox]] = {
-    "docker": _docker_backend,
-    "local": _local_backend,
-}
+def unavailable(cfg: SandboxConfig) -> str:
+    """'' when a sandbox of `cfg` can open here, else why not and what to do; cheap, for failing
+    before a run loads anything. A backend class with such a check defines a static
+    `unavailable(cfg) -> str`; the others can always try."""
+    check = getattr(SANDBOXES.load(cfg.kind), "unavailable", None)
+    return check(cfg) if check is not None else ""
 
 
 @contextlib.contextmanager
 def open_sandbox(cfg: SandboxConfig) -> Iterator[Sandbox]:
     """Start a sandbox of `cfg.kind`; everything it started is stopped on exit, even if start failed."""
-    if cfg.kind not in BACKENDS:
-        raise ValueError(f"sandbox.kind {cfg.kind!r}: use one of {', '.join(BACKENDS)}")
-    sb = BACKENDS[cfg.kind](cfg)
+    sb = SANDBOXES.build(cfg.kind, cfg)
     _live.add(sb)
     try:
         sb.start()
@@ -178,6 +178,7 @@ def run_once(
     env: dict[str, str] | None = None,
     collect: list[str] = (),
     timeout_s: float | None = None,
+    stopper: Stopper | None = None,
 ) -> tuple[RunResult, dict[str, bytes]]:
     """One rollout of a black-box agent: a fresh sandbox, `files` in, `cmd`, `collect` out.
 
@@ -185,10 +186,13 @@ def run_once(
     `status="error"` result (a bad rollout is data), with no files. Per-rollout settings go in
     `env` (e.g. the session's `OPENAI_API_KEY`) or in a copy of `cfg`
     (`dataclasses.replace(cfg, gateway_path=f"/sessions/{sid}/v1")`). Blocking; from async code
-    call it with `asyncio.to_thread`.
+    call it with `asyncio.to_thread`; `stopper.stop()`, from any thread, ends it early (an
+    `error` result "stopped"), e.g. when the caller's task is cancelled.
     """
     try:
         with open_sandbox(cfg) as sb:
+            if stopper is not None and not stopper.attach(sb):
+                return RunResult("error", None, "sandbox: stopped", 0.0, "", ""), {}
             if files:
                 sb.put_files(files)
             result = sb.run(cmd, timeout_s=timeout_s, env=env)
@@ -197,13 +201,39 @@ def run_once(
         return RunResult("error", None, f"sandbox: {e}", 0.0, "", ""), {}
 
 
-# Sandboxes still open when the interpreter exits (an exception escaped a thread, sys.exit in a
-# worker, ...) are stopped by atexit, so no container or process outlives the controller.
+class Stopper:
+    """Stops a `run_once` in progress from another thread: its sandbox is stopped (its `run`
+    returns at once), or, when `stop` comes first, the command never starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sandbox: Sandbox | None = None
+        self.stopped = False
+
+    def attach(self, sb: Sandbox) -> bool:
+        """Called by run_once once `sb` is open; False when already stopped."""
+        with self._lock:
+            self._sandbox = sb
+            return not self.stopped
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            sb = self._sandbox
+        if sb is not None:
+            sb.stop()
+
+
 _live: set = set()
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every sandbox open in this process; their blocked `run` calls return at once.
+
+    A run that is shutting down calls it so that the threads running sandboxes are not waited
+    for until their agents time out; atexit calls it too, so no container or process outlives
+    the controller (an exception escaped a thread, sys.exit in a worker, ...)."""
     for sb in list(_live):
         with contextlib.suppress(Exception):
             sb.stop()
@@ -215,6 +245,47 @@ INSIDE_DIR = "/opt/loongsage"
 INSIDE_SOCKET = f"{INSIDE_DIR}/gateway.sock"
 INSIDE_FORWARDER = f"{INSIDE_DIR}/forwarder.py"
 FORWARDER_FILE = Path(__file__).with_name("forwarder.py")
+
+
+# Bound (local) or present (docker) anyway; never bound again from a venv's base Python.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+
+
+def outside_system_dirs(paths) -> list[str]:
+    """`paths` without those in or under a system dir, in order, each once."""
+    keep = [p for p in paths if not any(p == s or p.startswith(s + "/") for s in SYSTEM_DIRS)]
+    return list(dict.fromkeys(keep))
+
+
+def ro_bind_paths(cfg: SandboxConfig) -> list[str]:
+    """`cfg.ro_binds` and the base Python of every venv among them; SandboxError if one is missing.
+
+    A venv's `bin/python` is a link to the Python it was made from (pyvenv.cfg `home`), so
+    binding the venv alone gives exit 127 inside; its base prefix comes along unless it is a
+    system dir (bound anyway)."""
+    out: list[str] = []
+    for path in cfg.ro_binds:
+        if not os.path.exists(path):
+            raise SandboxError(f"sandbox.ro_binds: {path!r} does not exist on this host")
+        out.append(path)
+        out += outside_system_dirs(venv_base_prefixes(path))
+    return list(dict.fromkeys(out))
+
+
+def venv_base_prefixes(path: str) -> list[str]:
+    """Install prefixes of the Python the venv at `path` was made from ([] when it is no venv):
+    its `home` as written in pyvenv.cfg (a venv's python links there) and where that resolves."""
+    cfg = Path(path, "pyvenv.cfg")
+    if not cfg.is_file():
+        return []
+    prefixes = set()
+    for line in cfg.read_text(errors="replace").splitlines():
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if sep and key == "home":  # the base Python's bin dir
+            prefixes |= {str(Path(value).parent), str(Path(os.path.realpath(value)).parent)}
+        elif sep and key == "executable":  # the base Python itself (Python >= 3.11 writes it)
+            prefixes.add(str(Path(os.path.realpath(value)).parent.parent))
+    return sorted(prefixes)
 
 
 def check_gateway_socket(path: str | None, other_uid: bool) -> None:

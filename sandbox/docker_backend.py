@@ -7,6 +7,10 @@ is a fresh container on the same volume with:
 
 - `network_mode=none` (only a loopback), the gateway's Unix socket and `forwarder.py` bound
   read-only under `/opt/loongsage`, the forwarder listening on `127.0.0.1:gateway_port`;
+- `ro_binds` (and a venv's base Python) bound read-only at their host paths; the folders above
+  them are the image's, so one under the image's `/root` (0700) is not reachable by the agent's
+  uid. An agent's packages belong in a derived image (`python -m sandbox.image build
+  packages=[...]`); binds are for data and code that change between runs;
 - memory (= memory+swap) `memory_mb`, CPU quota `cpus`, pids limit `pids`, read-only root,
   `/tmp` a small tmpfs, all capabilities dropped, `no-new-privileges`, tini as pid 1;
 - uid 65534 (nobody), or the gateway socket's owner when the socket is not connectable by
@@ -50,6 +54,7 @@ from sandbox.base import (
     last_line,
     launcher,
     log,
+    ro_bind_paths,
     safe_relpath,
     signal_reason,
     tail,
@@ -80,7 +85,16 @@ class DockerSandbox:
         self.holder = None
         self._containers: set = set()
         self.user = "65534:65534"
+        self.ro_paths: list[str] = []  # cfg.ro_binds and their venvs' base Pythons (start)
         self._stop_lock = threading.Lock()
+
+    @staticmethod
+    def unavailable(cfg: SandboxConfig) -> str:
+        """'' when the Docker engine answers and has `cfg.image`, else why not (see base.py)."""
+        from sandbox.image import docker_unavailable
+
+        why = docker_unavailable(cfg.image)
+        return f"{why} (or use kind=local)" if why else ""
 
     # ---- lifecycle ----
 
@@ -102,6 +116,7 @@ class DockerSandbox:
                 f"sandbox.image {self.cfg.image!r} not found: build it with "
                 "`python -m sandbox.image build` or name an image you have"
             ) from None
+        self.ro_paths = ro_bind_paths(self.cfg)
         sock = self.cfg.gateway_socket
         check_gateway_socket(sock, other_uid=False)
         if sock is not None:
@@ -260,6 +275,8 @@ class DockerSandbox:
         if cfg.gateway_socket is not None and not holder:
             mounts.append(Mount(INSIDE_FORWARDER, str(FORWARDER_FILE), type="bind", read_only=True))
             mounts.append(Mount(INSIDE_SOCKET, cfg.gateway_socket, type="bind", read_only=True))
+        if not holder:
+            mounts += [Mount(p, p, type="bind", read_only=True) for p in self.ro_paths]
         mem = f"{16 if holder else cfg.memory_mb}m"
         container = self.client.containers.create(
             cfg.image,

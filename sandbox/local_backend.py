@@ -5,17 +5,24 @@ session:
 
 - **bwrap** (`local_isolation=bwrap`, the default when installed): new pid, net, ipc, uts and
   cgroup namespaces (the net namespace has only its own loopback, so no network), the system
-  dirs (`/usr`, `/etc`, `/lib*`, ...) and this Python's prefix bound read-only, a private
-  writable work dir at `/home/sandbox`, a fresh `/tmp`, `--die-with-parent`. Killing bwrap
-  kills the whole pid namespace. Not root: a user namespace too (unprivileged bwrap). Root: bwrap
-  runs privileged (so it can bind a Python that lives under `/root`) and the agent is dropped to
-  the sandbox's own uid by `setpriv --no-new-privs` before anything of it runs.
+  dirs (`/usr`, `/etc`, `/lib*`, ...), this Python's prefix and `ro_binds` (an agent's own venv,
+  with the Python it was made from) bound read-only, a private writable work dir at
+  `/home/sandbox`, a fresh `/tmp`, `--die-with-parent`. Killing bwrap kills the whole pid
+  namespace. Not root: a user namespace too (unprivileged bwrap). Root: bwrap runs privileged
+  (so it can bind a Python that lives under `/root`) and the agent is dropped to the sandbox's
+  own uid by `setpriv --no-new-privs` before anything of it runs.
 - **process** (no bwrap): the command runs on the host in the work dir, in its own process
   group. It has the host's network and file system (read access as its uid). It is logged as
   less isolation, and `isolation` says so. The forwarder runs as a thread on the host (a free
-  port of the shared loopback), and `python3` is whatever the sandbox uid finds on PATH.
+  port of the shared loopback). As root the agent is dropped to the sandbox's uid by `setpriv`
+  too, in a private mount namespace (`unshare --mount`) where each folder it may not enter but
+  needs (this Python or a `ro_binds` venv under `/root`, 0700) is covered by a skeleton holding
+  only those paths, read-only; the host's own folders are left as they are.
 
-In both: rlimits (RLIMIT_DATA = memory_mb per process, RLIMIT_NPROC = pids, RLIMIT_CPU as a
+In both, `python3` is this interpreter (its agent libraries importable) and an agent in its own
+venv runs as `VENV/bin/python` or `VENV/bin/TOOL` once the venv is in `ro_binds`.
+
+Limits, in both: rlimits (RLIMIT_DATA = memory_mb per process, RLIMIT_NPROC = pids, RLIMIT_CPU as a
 backstop of timeout_s x ceil(cpus), RLIMIT_FSIZE = disk_mb, no core files), CPU affinity to
 ceil(cpus) cores, and a wall-time timeout that SIGKILLs the process group (and, as root, every
 process of the sandbox's uid). When run as root, every sandbox gets its own uid
@@ -44,9 +51,11 @@ import itertools
 import math
 import os
 import resource  # imported here: the child, already under another uid, may not read it
+import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,6 +68,7 @@ from sandbox.base import (
     INSIDE_FORWARDER,
     INSIDE_SOCKET,
     MEMORY_MARKERS,
+    SYSTEM_DIRS,
     RunResult,
     SandboxConfig,
     SandboxError,
@@ -67,6 +77,8 @@ from sandbox.base import (
     last_line,
     launcher,
     log,
+    outside_system_dirs,
+    ro_bind_paths,
     safe_relpath,
     signal_reason,
     tail,
@@ -78,7 +90,6 @@ _run_counter = itertools.count()
 _core_counter = itertools.count()
 # not /work: this Python may live under /work (a venv in a checkout) and is bound too
 INSIDE_WORK = "/home/sandbox"
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 
 class LocalSandbox:
@@ -96,6 +107,7 @@ class LocalSandbox:
         self.prlimit = shutil.which("prlimit")
         self.root: Path | None = None
         self.workdir: Path | None = None
+        self.ro_paths: list[str] = []  # cfg.ro_binds and their venvs' base Pythons (start)
         # As root, a uid of its own per sandbox (see module docstring); otherwise our own uid.
         if os.geteuid() == 0:
             self.uid = 1_000_000_000 + os.getpid() * 256 + next(_uid_counter) % 256
@@ -121,6 +133,7 @@ class LocalSandbox:
     def start(self) -> None:
         if not self.bwrap:
             log.warning("sandbox: bwrap not used; %s", self.isolation)
+        self.ro_paths = ro_bind_paths(self.cfg)
         sock = self.cfg.gateway_socket
         check_gateway_socket(sock, other_uid=self.bwrap is not None and self.uid != os.geteuid())
         if sock is not None and not self.bwrap:
@@ -199,8 +212,6 @@ class LocalSandbox:
         assert self.root is not None
         argv, run_env = self._command(cmd, env, work, timeout)
         limits = self._rlimits(timeout)
-        # process mode as root: the switch to the sandbox uid happens in Popen (bwrap: setpriv).
-        switch = os.geteuid() == 0 and not self.bwrap
 
         n = next(_run_counter)  # runs of one sandbox may overlap
         out_path, err_path = self.root / f"stdout.{n}", self.root / f"stderr.{n}"
@@ -215,9 +226,6 @@ class LocalSandbox:
                     cwd=work,
                     env=run_env,
                     start_new_session=True,
-                    user=self.uid if switch else None,
-                    group=self.gid if switch else None,
-                    extra_groups=[] if switch else None,
                     preexec_fn=None if self.prlimit else functools.partial(_set_rlimits, limits),
                 )
             except OSError as e:
@@ -274,10 +282,9 @@ class LocalSandbox:
         cfg = self.cfg
         root = os.geteuid() == 0
         run_env = agent_env(cfg, env, home=INSIDE_WORK if self.bwrap else str(work))
-        # `python3` is this interpreter (its agent libraries importable; bwrap binds its prefix),
-        # except for a bare process under another uid, which may not read it (e.g. under /root).
-        if self.bwrap or not root:
-            run_env["PATH"] = f"{Path(sys.executable).parent}:{run_env['PATH']}"
+        # `python3` is this interpreter, its agent libraries importable (bwrap binds its prefix;
+        # a bare process as root gets the folders above it opened, see `_open_closed_dirs`).
+        run_env["PATH"] = f"{Path(sys.executable).parent}:{run_env['PATH']}"
         # Without a net namespace all sandboxes share the host loopback: let the forwarder pick.
         if self.bwrap:
             argv = launcher(cfg, cmd, cfg.gateway_port)
@@ -286,15 +293,48 @@ class LocalSandbox:
             if self._listener is not None:
                 port = self._listener.getsockname()[1]
                 run_env.setdefault("OPENAI_BASE_URL", f"http://127.0.0.1:{port}{cfg.gateway_path}")
+        if root:
+            # RLIMIT_NPROC does not bind root: the agent drops to the sandbox's own uid before
+            # anything of it runs. bwrap runs privileged (no user namespace, so the system and
+            # this Python are readable even under /root); a bare process gets a mount namespace
+            # that opens the folders it needs (see `_open_closed_dirs`).
+            drop = [f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
+            argv = ["setpriv", *drop, "--no-new-privs", "--", *argv]
         if self.bwrap:
-            if root:
-                # RLIMIT_NPROC does not bind root: bwrap runs privileged (no user namespace, so
-                # the system and this Python are readable even under /root), and the sandbox
-                # drops to its own uid before anything of the agent runs.
-                drop = [f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
-                argv = ["setpriv", *drop, "--no-new-privs", "--", *argv]
             argv = self._bwrap_argv(work) + argv
+        elif root:
+            argv = self._open_closed_dirs([*_python_dirs(), *self.ro_paths]) + argv
         return self._limits_argv(timeout) + argv, run_env
+
+    def _open_closed_dirs(self, paths: list[str]) -> list[str]:
+        """Process mode as root: a prefix that lets the sandbox uid reach `paths` (read-only).
+
+        A Python (or venv) under a folder others may not enter, such as `/root` (0700), cannot
+        be run by the sandbox's uid. Each such folder is covered, in a private mount namespace,
+        by a skeleton (0755) holding only the needed paths, bound read-only; nothing of the
+        host changes and the rest of the folder stays hidden. [] when no path needs it."""
+        assert self.root is not None
+        closed: dict[str, list[str]] = {}
+        for path in dict.fromkeys(os.path.realpath(p) for p in paths):
+            top = _first_closed_parent(path)
+            if top is not None:
+                closed.setdefault(top, []).append(path)
+        if not closed:
+            return []
+        lines = ["set -e"]
+        for n, (top, inner) in enumerate(sorted(closed.items())):
+            skeleton = self.root / f"open.{n}"
+            for path in inner:
+                dest = skeleton / os.path.relpath(path, top)
+                dest.mkdir(mode=0o755, parents=True, exist_ok=True)
+                lines.append(f"mount --bind -- {shlex.quote(path)} {shlex.quote(str(dest))}")
+                lines.append(f"mount -o remount,bind,ro -- {shlex.quote(str(dest))}")
+            for d in [skeleton, *(p for p in skeleton.rglob("*") if p.is_dir())]:
+                d.chmod(0o755)
+            lines.append(f"mount --rbind -- {shlex.quote(str(skeleton))} {shlex.quote(top)}")
+        lines.append('exec "$@"')
+        script = "\n".join(lines)
+        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
 
     def _bwrap_argv(self, work: Path) -> list[str]:
         cfg = self.cfg
@@ -306,7 +346,7 @@ class LocalSandbox:
             argv += ["--unshare-all"]
         argv += ["--die-with-parent", "--hostname", "sandbox"]
         argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-        binds = [*SYSTEM_DIRS, *_python_dirs(), *cfg.local_ro_binds]
+        binds = [*SYSTEM_DIRS, *_python_dirs(), *self.ro_paths]
         seen: set[str] = set()
         for path in binds:
             if path in seen or not os.path.lexists(path):
@@ -438,10 +478,18 @@ def _count_procs(uid: int) -> int:
 
 
 def _python_dirs() -> list[str]:
-    """Where this interpreter and its packages live, so `python3` works inside bwrap."""
+    """Where this interpreter and its packages live, so `python3` works in the sandbox."""
     dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     dirs.add(str(Path(os.path.realpath(sys.executable)).parent.parent))
-    return sorted(d for d in dirs if not any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS))
+    return outside_system_dirs(sorted(dirs))
+
+
+def _first_closed_parent(path: str) -> str | None:
+    """The outermost folder above `path` that other users may not enter (no o+x), or None."""
+    for parent in reversed(PurePosixPath(path).parents):
+        if str(parent) != "/" and not os.stat(parent).st_mode & stat.S_IXOTH:
+            return str(parent)
+    return None
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -3,11 +3,19 @@
     python -m sandbox.run backend=docker gateway=/tmp/gateway.sock timeout_s=60 \\
         files=[examples/agents/openai_tool_agent.py] -- python3 openai_tool_agent.py "2+3*4"
 
+    # an agent in its own venv, under bubblewrap, with its settings in env vars
+    python -m sandbox.run backend=local gateway=/tmp/gateway.sock ro_binds=[/opt/agents/mini] \\
+        env={MSWEA_CONFIGURED: "true"} -- /opt/agents/mini/bin/mini ...
+
 prints one line `{"status", "exit_code", "reason", "duration_s", "stdout_tail", "stderr_tail",
 "isolation"}` and exits 0 when the status is `ok`, 1 otherwise (2 for a bad command line).
-`gateway` is the gateway's Unix socket, or its URL (`http://127.0.0.1:8000/v1`, also with a
-`/sessions/ID/v1` path): a URL is reached through a relay on the host (`tcp_relay`), since the
-sandbox itself has no network. `--help` lists every key.
+Every `SandboxConfig` key (`sandbox/base.py`) is a key here, spelled as under a recipe's
+`agent.sandbox` (`ro_binds`, `env`, `image`, `memory_mb`, ...), for both backends; `backend`
+is `kind`. `gateway` is the gateway's Unix socket, or its URL (`http://127.0.0.1:8000/v1`, also
+with a `/sessions/ID/v1` path): a URL is reached through a relay on the host (`tcp_relay`),
+since the sandbox itself has no network. `files` are copied into the work dir: a list of host
+paths (by name), or `{work path: host path}` like a recipe's `agent.files`. `--help` lists every
+key.
 """
 
 from __future__ import annotations
@@ -27,34 +35,30 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from gateway.config import ConfigError, parse_cli
-from sandbox.base import DEFAULT_IMAGE, SandboxConfig, SandboxError, open_sandbox
+from sandbox.base import SandboxConfig, SandboxError, open_sandbox
 from sandbox.forwarder import serve
 
 
 @dataclasses.dataclass
-class RunConfig:
-    backend: Literal["docker", "local"] = "local"
-    """Sandbox backend."""
+class RunConfig(SandboxConfig):
+    """The sandbox's own keys, plus what only the command line needs."""
+
+    backend: Literal["docker", "local"] | None = None
+    """Sandbox backend; the same as `kind`, which it overrides when set."""
     gateway: str | None = None
     """Gateway Unix socket path or http:// URL; None = no way out at all."""
-    api_key: str = "EMPTY"
-    """OPENAI_API_KEY inside (a session's key)."""
-    timeout_s: float = 300.0
-    """Wall-time limit, seconds."""
-    image: str = DEFAULT_IMAGE
-    """Docker image (backend=docker)."""
-    memory_mb: int = 1024
-    """Memory limit, MiB."""
-    cpus: float = 1.0
-    """CPU limit."""
-    pids: int = 128
-    """Process limit."""
-    local_isolation: Literal["auto", "bwrap", "process"] = "auto"
-    """backend=local: bwrap namespaces, or a bare process group (less isolation)."""
-    files: list[str] = dataclasses.field(default_factory=list)
-    """Host files (or folders) copied into the work dir, by name, before the run."""
+    files: list[str] | dict[str, str] = dataclasses.field(default_factory=list)
+    """Copied into the work dir before the run: host files/folders by name, or {work path: host file}."""
     tail_chars: int = 2000
     """Characters of stdout/stderr kept in the printed JSON."""
+
+    def sandbox_config(self, gateway_socket: str | None, gateway_path: str) -> SandboxConfig:
+        """The `SandboxConfig` part, with the backend and the gateway's socket filled in."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(SandboxConfig)}
+        own.update(gateway_socket=gateway_socket, gateway_path=gateway_path)
+        if self.backend is not None:
+            own["kind"] = self.backend
+        return SandboxConfig(**own)
 
 
 @contextlib.contextmanager
@@ -90,8 +94,15 @@ def tcp_relay(url: str) -> Iterator[tuple[str, str]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_files(paths: list[str]) -> dict[str, bytes]:
-    """Host files/folders -> {relative name in the work dir: bytes}."""
+def read_files(paths: list[str] | dict[str, str]) -> dict[str, bytes]:
+    """Host files/folders (or {work path: host file}) -> {relative name in the work dir: bytes}."""
+    if isinstance(paths, dict):
+        out = {}
+        for inside, host in paths.items():
+            if not Path(host).is_file():
+                raise ValueError(f"files: {host!r} (for {inside!r}) is not a file")
+            out[inside] = Path(host).read_bytes()
+        return out
     out: dict[str, bytes] = {}
     for p in map(Path, paths):
         if p.is_dir():
@@ -109,22 +120,12 @@ def run_command(cfg: RunConfig, cmd: list[str]) -> dict:
     """Run `cmd` as `cfg` says; the JSON-able summary (with `isolation`)."""
     files = read_files(cfg.files)
     with contextlib.ExitStack() as stack:
-        socket_path, api_path = cfg.gateway, "/v1"
+        socket_path, api_path = cfg.gateway_socket, cfg.gateway_path
         if cfg.gateway and "://" in cfg.gateway:
             socket_path, api_path = stack.enter_context(tcp_relay(cfg.gateway))
-        sb_cfg = SandboxConfig(
-            kind=cfg.backend,
-            image=cfg.image,
-            memory_mb=cfg.memory_mb,
-            cpus=cfg.cpus,
-            pids=cfg.pids,
-            timeout_s=cfg.timeout_s,
-            gateway_socket=socket_path,
-            gateway_path=api_path,
-            api_key=cfg.api_key,
-            local_isolation=cfg.local_isolation,
-        )
-        sb = stack.enter_context(open_sandbox(sb_cfg))
+        elif cfg.gateway:
+            socket_path = cfg.gateway
+        sb = stack.enter_context(open_sandbox(cfg.sandbox_config(socket_path, api_path)))
         if files:
             sb.put_files(files)
         result = sb.run(cmd)

@@ -38,3 +38,15 @@ fi
 
 # The sandbox base image (offline: debootstrap + python3 + openai/openai-agents); cached by tag.
 "$PY" -m sandbox.image build
+
+# Bring your own agent (slow tests, recipes/blackbox_mini_swe.yaml): mini-swe-agent from PyPI,
+# unmodified, in a venv of its own (local backend) and in a derived image (docker); both cached.
+MINI=mini-swe-agent==2.4.6
+MINI_VENV=$("$PY" -c "from gateway.models import loongsage_home; print(loongsage_home() / 'agents' / 'mini-swe-agent')")
+if ! "$MINI_VENV/bin/python" -c "import minisweagent" 2>/dev/null; then
+    echo "test_services: installing $MINI into $MINI_VENV"
+    rm -rf "$MINI_VENV"
+    "$PY" -m venv "$MINI_VENV"
+    "$MINI_VENV/bin/python" -m pip install -q "$MINI"
+fi
+"$PY" -m sandbox.image build "packages=[$MINI]" tag=loongsage-mini-swe-agent:latest

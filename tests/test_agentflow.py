@@ -9,8 +9,9 @@ from envs import EnvError, calc
 from gateway.engines.local import LocalEngine
 from gateway.server import Gateway, GatewayConfig
 from sandbox import SandboxConfig
-from trainer.agentflow import AgentFlow
+from trainer.agentflow import AgentFlow, gateway_socket
 from trainer.config import AgentConfig, RolloutConfig
+from trainer.eval import evaluate
 
 
 @pytest.fixture
@@ -122,12 +123,60 @@ async def test_unmodified_openai_agent_in_a_sandbox_is_trained_on(gateway, tmp_p
 
 
 async def test_evaluate_plays_the_eval_split(gateway):
-    from envs.eval import evaluate
-
-    result = await evaluate(gateway, "loongsage/Calc-v0", n=3, max_tokens=8)
+    rollout = RolloutConfig(env="loongsage/Calc-v0", max_tokens=8, max_turns=6)
+    result = await evaluate(AgentFlow(gateway, rollout), n=3)
     assert result.n == 3 and result.errors == 0
     assert result.success_rate == 0.0 and result.mean_turns == 1.0
     assert 0 < result.mean_tokens <= 8
+    assert gateway.sessions.num_open == 0
+
+
+SAMPLING_AGENT = """
+import os, sys
+from openai import OpenAI
+client = OpenAI()
+model = client.models.list().data[0].id
+outs = [
+    client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": open("task.txt").read()}],
+        temperature=1.9, seed=seed, max_tokens=12,
+    ).choices[0].message.content
+    for seed in (1, 2)
+]
+print(outs[0] == outs[1])
+open("answer.txt", "w").write("Answer: 0")
+"""
+
+
+async def test_black_box_evaluation_forces_the_eval_sampling_and_reports_the_same_metrics(
+    gateway, tmp_path
+):
+    """Evaluation of a `command` agent takes the training path: the session forces the eval
+    temperature (greedy) whatever the agent asks, and the metric set is the tool loop's."""
+    import sys
+
+    (tmp_path / "agent.py").write_text(SAMPLING_AGENT)
+    cfg = AgentConfig(
+        kind="command",
+        command=[sys.executable, "agent.py"],
+        files={"agent.py": str(tmp_path / "agent.py")},
+        sandbox=SandboxConfig(kind="local"),
+        timeout_s=120,
+    )
+    async with gateway_socket(gateway) as socket:
+        flow = AgentFlow(gateway, RolloutConfig(max_tokens=12), cfg, gateway_socket=socket)
+        options = {"split": "eval", "index": 0}
+        traj = await flow.rollout(None, options=options, temperature=0.0)
+        assert traj.status == "ok", (traj.reason, traj.info)
+        assert traj.info["stdout_tail"].strip() == "True"  # greedy, whatever the agent asked
+        result = await evaluate(flow, n=2)
+    white_box = await evaluate(AgentFlow(gateway, RolloutConfig(max_tokens=8)), n=2)
+    assert set(result.metrics()) == set(white_box.metrics()) == {
+        "eval/success_rate", "eval/mean_reward", "eval/mean_turns", "eval/mean_tokens",
+        "eval/aborted_frac",
+    }  # fmt: skip
+    assert result.n == 2 and result.aborted_frac == 0.0 and result.mean_turns == 2.0
+    assert 0 < result.mean_tokens <= 24
     assert gateway.sessions.num_open == 0
 
 

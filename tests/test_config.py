@@ -71,3 +71,29 @@ def test_bad_yaml(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(Outer, bad)
+
+
+@dataclass
+class Agent:
+    files: dict[str, str] = field(default_factory=dict)
+    """Work path -> host file."""
+
+
+@dataclass
+class WithMapping:
+    agent: Agent = field(default_factory=Agent)
+    """A nested config with a mapping."""
+
+
+def test_nested_mapping_errors_name_the_key_and_the_value():
+    cfg = load_config(WithMapping, None, ["agent.files={agent.py: /path, n: 3}"])
+    assert cfg.agent.files == {"agent.py": "/path", "n": "3"}
+    # YAML reads `{a:b}` (no space) as the key "a:b" with no value
+    with pytest.raises(
+        ConfigError, match=r"agent\.files\.agent\.py:/path: expected str, got None;"
+    ):
+        load_config(WithMapping, None, ["agent.files={agent.py:/path}"])
+    with pytest.raises(ConfigError, match=r"agent\.files\.x: expected str, got \[1, 2\]"):
+        load_config(WithMapping, None, ["agent.files.x=[1, 2]"])
+    with pytest.raises(ConfigError, match=r"agent\.files: expected a mapping, got 'a'"):
+        load_config(WithMapping, None, ["agent.files=a"])

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from gateway.engines.local import LocalEngine
-from gateway.server import Gateway, GatewayConfig
+from gateway.server import Gateway, GatewayConfig, RequestLimits
+from gateway.server.auth import open_session_id
 
 MODEL = "tiny-random"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -31,7 +32,9 @@ def make(engine, renderer, path, **cfg) -> Gateway:
 
 @pytest.fixture
 async def gw(engine, renderer, tiny_model_path):
-    gateway = make(engine, renderer, tiny_model_path, max_body_bytes=64 * 1024)
+    gateway = make(
+        engine, renderer, tiny_model_path, limits=RequestLimits(max_body_bytes=64 * 1024)
+    )
     yield gateway
     await gateway.aclose()
 
@@ -106,7 +109,11 @@ async def test_auth_keys_mode(gw):
         assert_error(await c.post("/v1/chat/completions", json=CHAT), 401)
     async with http(gw, "wrong") as c:
         assert_error(await c.post("/v1/chat/completions", json=CHAT), 401)
-        assert_error(await c.get(f"/sessions/{sid_a}/trajectory"), 401)
+        # a session of someone else looks exactly like one that does not exist
+        foreign = await c.get(f"/sessions/{sid_a}/trajectory")
+        unknown = await c.get("/sessions/s-0000/trajectory")
+        same = assert_error(unknown, 404)["message"].replace("s-0000", sid_a)
+        assert assert_error(foreign, 404)["message"] == same
         assert_error(await c.post("/sessions", json={}), 401)
         assert_error(await c.get("/sessions"), 401)
     async with http(gw, "admin") as c:  # the admin token is not a session key
@@ -114,7 +121,7 @@ async def test_auth_keys_mode(gw):
     async with http(gw, key_a) as c:
         # a's key cannot use, read or score b's session
         assert_error(await c.post(f"/sessions/{sid_b}/v1/chat/completions", json=CHAT), 403)
-        assert_error(await c.get(f"/sessions/{sid_b}/trajectory"), 401)
+        assert_error(await c.get(f"/sessions/{sid_b}/trajectory"), 404)
         assert_error(await c.post(f"/sessions/{sid_b}/reward", json={"reward": 1}), 401)
         assert_error(await c.post(f"/sessions/{sid_a}/close", json={}), 401)
         r = await c.post(f"/sessions/{sid_a}/v1/chat/completions", json=CHAT)
@@ -216,8 +223,12 @@ async def test_open_mode_key_is_session(engine, renderer, tiny_model_path):
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         assert (await c.post("/sessions/agent-9/v1/chat/completions", json=CHAT)).status_code == 200
         traj = (await c.get("/sessions/agent-7/trajectory")).json()
-        assert traj["session_id"] == "agent-7" and len(traj["turns"]) == 1
-    assert {s["id"] for s in gw.list_sessions()} == {"agent-7", "agent-9"}
+        assert traj["session_id"] == open_session_id("agent-7") and len(traj["turns"]) == 1
+    # ids derive from the keys and do not reveal them
+    assert {s["id"] for s in gw.list_sessions()} == {
+        open_session_id("agent-7"),
+        open_session_id("agent-9"),
+    }
     await gw.aclose()
 
 
@@ -229,7 +240,7 @@ async def test_open_mode_closes_idle_sessions(engine, renderer, tiny_model_path)
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         for _ in range(40):
             await asyncio.sleep(0.05)
-            if gw.sessions.get("agent-7") is None:  # closed and moved to agent-7~1
+            if gw.sessions.by_key("agent-7") is None:  # closed and moved to <id>~1
                 break
         old = (await c.get("/sessions/agent-7~1/trajectory")).json()
         assert old["status"] == "ok" and old["reason"].startswith("idle:")
@@ -238,11 +249,9 @@ async def test_open_mode_closes_idle_sessions(engine, renderer, tiny_model_path)
         fresh = (await c.get("/sessions/agent-7/trajectory")).json()
         archived = (await c.get("/sessions/agent-7~1/trajectory")).json()
     assert len(fresh["turns"]) == 1
-    assert {s["id"]: s["status"] for s in gw.list_sessions()} == {
-        "agent-7": "open",
-        "agent-7~1": "ok",
-    }
-    assert archived["session_id"] == "agent-7~1" and archived["turns"] == old["turns"]
+    sid = open_session_id("agent-7")
+    assert {s["id"]: s["status"] for s in gw.list_sessions()} == {sid: "open", sid + "~1": "ok"}
+    assert archived["session_id"] == sid + "~1" and archived["turns"] == old["turns"]
     await gw.aclose()
     with pytest.raises(ValueError, match="idle_session_s"):
         GatewayConfig(idle_session_s=-1)
@@ -326,17 +335,19 @@ async def test_garbage_never_500(engine, renderer, tiny_model_path):
     statuses = set()
     async with http(gw, "fuzz") as c:
         for path, body in valid.items():
-            r = await c.post(path, json=body)
+            admin = path.startswith(("/sessions", "/pause"))
+            key = {"Authorization": f"Bearer {gw.admin_token}"} if admin else {}
+            r = await c.post(path, json=body, headers=key)
             assert r.status_code in (200, 201, 404), (path, r.text)
             await gw.resume()
             for _ in range(25):
                 bad = _mutate(rng, body) if rng.random() < 0.8 else _garbage(rng)
-                r = await c.post(path, content=json.dumps(bad))
+                r = await c.post(path, content=json.dumps(bad), headers=key)
                 statuses.add(r.status_code)
                 assert r.status_code < 500 or r.status_code == 503, (path, bad, r.text)
                 await gw.resume()
             for raw in [b"", b"\xff\xfe", b"null", b"[]", b'{"model": ', b"1e999999"]:
-                r = await c.post(path, content=raw)
+                r = await c.post(path, content=raw, headers=key)
                 assert r.status_code < 500, (path, raw, r.text)
     assert 400 in statuses
     await gw.aclose()

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from gateway.server import Gateway, GatewayConfig
+from gateway.server.auth import open_session_id
 
 MODEL = "tiny-random"
 
@@ -238,8 +239,11 @@ def test_sync_client_over_http_and_unix_socket(engine, renderer, tiny_model_path
         import httpx
 
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(tmp_path / "gw.sock"))) as h:
-            traj = h.get("http://gw/sessions/my-agent/trajectory").json()
-        assert len(traj["turns"]) == 2 and traj["session_id"] == "my-agent"
+            # the owner reads its session by its key; the id it is stored under is not the key
+            traj = h.get(
+                "http://gw/sessions/my-agent/trajectory", headers={"x-api-key": "my-agent"}
+            ).json()
+        assert len(traj["turns"]) == 2 and traj["session_id"] == open_session_id("my-agent")
         assert len(traj["segments"]) == 2  # two samples from one prompt: siblings
     finally:
         state["loop"].call_soon_threadsafe(state["stop"].set)

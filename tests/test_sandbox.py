@@ -531,3 +531,187 @@ def test_run_once_is_one_rollout_and_never_raises_for_the_sandbox(tmp_path):
     broken = SandboxConfig(kind=cfg.kind, gateway_socket=str(tmp_path / "no.sock"))
     res, files = run_once(broken, ["true"])
     assert res.status == "error" and "gateway_socket" in res.reason and files == {}
+
+
+# ---- bring your own agent: its own venv (local), a derived image (docker) ----
+
+VENV_AGENT = (
+    "import json, os, sys\n"
+    "import byoa_marker  # installed in the agent's venv only\n"
+    "try:\n"
+    "    open(os.path.join(sys.prefix, 'written'), 'w')\n"
+    "    venv_writable = True\n"
+    "except OSError:\n"
+    "    venv_writable = False\n"
+    "print(json.dumps({'marker': byoa_marker.WHERE, 'prefix': sys.prefix,\n"
+    "                  'venv_writable': venv_writable, 'setting': os.environ.get('AGENT_SETTING')}))\n"
+) + NET_PROBE
+
+
+def make_venv(path: Path) -> Path:
+    """A venv, with one module in it, of a Python installed in a folder of its own beside it (as
+    pyenv or uv install them): the venv's `bin/python` links there, so it runs only if that
+    folder comes along (exit 127 otherwise)."""
+    base = path.parent / f"{path.name}-python" / "bin"
+    base.mkdir(parents=True)
+    (base / "python3").symlink_to(
+        os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    )
+    subprocess.run([str(base / "python3"), "-m", "venv", "--without-pip", str(path)], check=True)
+    site = next(path.glob("lib/python*/site-packages"))
+    (site / "byoa_marker.py").write_text("WHERE = 'the agent venv'\n")
+    return path
+
+
+LOCAL = [p for p in BACKENDS if p.values[0] != "docker"]
+
+
+@pytest.mark.parametrize("backend", LOCAL)
+def test_agent_in_its_own_venv_runs_unmodified(backend, tmp_path, fake_gateway, canary_port):
+    """The agent's venv is a read-only bind; the Python it was made from comes with it, also
+    when that Python and the venv sit under folders the sandbox uid may not enter (as root:
+    /root/.pyenv, and pytest's 0700 tmp dirs)."""
+    venv = make_venv(tmp_path / "agent-venv")
+    cfg = make_cfg(
+        backend,
+        timeout_s=60,
+        gateway_socket=fake_gateway,
+        api_key="k1",
+        ro_binds=[str(venv)],
+        env={"AGENT_SETTING": "from cfg.env"},
+    )
+    with open_sandbox(cfg) as sb:
+        sb.put_files({"agent.py": VENV_AGENT})
+        res = sb.run([str(venv / "bin" / "python"), "agent.py", str(canary_port)])
+    assert res.status == "ok", res
+    mine, net = (json.loads(line) for line in res.stdout.strip().splitlines()[-2:])
+    assert mine == {
+        "marker": "the agent venv",
+        "prefix": str(venv),
+        "venv_writable": False,
+        "setting": "from cfg.env",
+    }
+    assert net["gateway"] == {"path": "/v1/whoami", "auth": "Bearer k1"}
+    if backend == "bwrap":  # process mode shares the host's network (and says so)
+        assert [net[k] for k in ("canary", "dns", "outside")].count("reached") == 0, net
+    assert not (venv / "written").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs under another uid only as root")
+def test_process_mode_as_root_opens_closed_folders_without_changing_them(tmp_path):
+    """As root a bare process runs under the sandbox's own uid, which may not enter /root
+    (0700): a mount namespace shows it only the paths it needs, read-only."""
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    (closed / "secret.txt").write_text("not for agents")
+    venv = make_venv(closed / "venv")
+    probe = (
+        "import json, os, sys, openai\n"  # `python3` is this interpreter, libraries and all
+        f"print(json.dumps({{'uid': os.getuid(), 'listing': os.listdir({str(closed)!r}),"
+        " 'python3': sys.executable}))\n"
+    )
+    cfg = make_cfg("process", timeout_s=60, ro_binds=[str(venv)])
+    with open_sandbox(cfg) as sb:
+        sb.put_files({"probe.py": probe})
+        own = sb.run([str(venv / "bin" / "python"), "-c", "import byoa_marker"])
+        res = sb.run(["python3", "probe.py"])
+        hidden = sb.run(["cat", str(closed / "secret.txt")])
+    assert own.status == "ok", own
+    assert res.status == "ok", res
+    out = json.loads(res.stdout)
+    assert out["uid"] not in (0, os.getuid())
+    assert sorted(out["listing"]) == ["venv", "venv-python"]
+    assert Path(out["python3"]).parent == Path(sys.executable).parent
+    assert hidden.status == "error"
+    assert closed.stat().st_mode & 0o777 == 0o700  # the host's folder is as it was
+
+
+def test_missing_or_relative_ro_binds_are_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="ro_binds.*absolute"):
+        SandboxConfig(ro_binds=["venv"])
+    with pytest.raises(SandboxError, match="ro_binds.*does not exist"):
+        with open_sandbox(SandboxConfig(ro_binds=[str(tmp_path / "nope")])):
+            pass
+
+
+def test_sandbox_run_takes_the_sandbox_keys_of_a_recipe(tmp_path):
+    """`python -m sandbox.run` spells every key as under a recipe's `agent.sandbox`."""
+    venv = make_venv(tmp_path / "venv")
+    (tmp_path / "task.txt").write_text("the task")
+    agent = "import byoa_marker, os\nprint(byoa_marker.WHERE, os.environ['MODE'], open('in/t.txt').read())"
+    (tmp_path / "agent.py").write_text(agent)
+    proc = sandbox_run(
+        "backend=local",
+        f"ro_binds=[{venv}]",
+        "env={MODE: quiet}",
+        f"files={{agent.py: {tmp_path / 'agent.py'}, in/t.txt: {tmp_path / 'task.txt'}}}",
+        "--",
+        str(venv / "bin" / "python"),
+        "agent.py",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["stdout_tail"] == "the agent venv quiet the task\n"
+    proc = sandbox_run("backend=local", "env={MODE:quiet}", "--", "true")
+    assert proc.returncode == 2 and "env.MODE:quiet: expected str, got None" in proc.stderr
+
+
+def test_derived_image_key_covers_base_packages_and_requirements(tmp_path):
+    from sandbox.image import ImageConfig, packages_key, pip_platforms
+
+    req = tmp_path / "requirements.txt"
+    req.write_text("tabulate\n")
+    keys = {
+        packages_key(ImageConfig(packages=["tabulate"]), "sha256:a"),
+        packages_key(ImageConfig(packages=["tabulate"]), "sha256:b"),
+        packages_key(ImageConfig(packages=["tabulate==0.9.0"]), "sha256:a"),
+        packages_key(ImageConfig(requirements=str(req)), "sha256:a"),
+    }
+    assert len(keys) == 4
+    assert packages_key(ImageConfig(packages=["tabulate"]), "sha256:a") in keys
+    glibc = {"libc": "glibc", "libc_version": "2.36", "machine": "x86_64"}
+    tags = pip_platforms(glibc)
+    assert tags[0] == "manylinux_2_36_x86_64" and "manylinux_2_5_x86_64" in tags
+    assert "manylinux2014_x86_64" in tags and "manylinux_2_37_x86_64" not in tags
+    assert pip_platforms({**glibc, "libc": ""}) == []
+
+
+@pytest.mark.docker
+def test_derived_image_runs_an_agent_with_its_packages(tmp_path, fake_gateway, canary_port):
+    """`build packages=[...]`: the base image plus an agent's packages, reused while the package
+    set is the same; its agent reaches the gateway and nothing else; ro_binds work in docker."""
+    import docker
+
+    from sandbox.image import ImageConfig, build_image
+
+    if why := docker_unavailable():
+        pytest.skip(why)
+    tag = build_image(ImageConfig(packages=["tabulate"]))
+    built = docker.from_env().images.get(tag).id
+    assert build_image(ImageConfig(packages=["tabulate"])) == tag  # cached by content
+    assert docker.from_env().images.get(tag).id == built
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "table.txt").write_text("x 1\ny 2\n")
+    os.chmod(tmp_path, 0o755)
+    agent = (
+        "import json, tabulate\n"
+        f"rows = [line.split() for line in open({str(data / 'table.txt')!r})]\n"
+        "try:\n"
+        f"    open({str(data / 'new.txt')!r}, 'w')\n"
+        "    writable = True\n"
+        "except OSError:\n"
+        "    writable = False\n"
+        "print(json.dumps({'table': tabulate.tabulate(rows), 'writable': writable}))\n"
+    ) + NET_PROBE
+    cfg = SandboxConfig(
+        kind="docker", image=tag, timeout_s=120, gateway_socket=fake_gateway, ro_binds=[str(data)]
+    )
+    with open_sandbox(cfg) as sb:
+        sb.put_files({"agent.py": agent})
+        res = sb.run(["python3", "agent.py", str(canary_port)])
+    assert res.status == "ok", res
+    mine, net = (json.loads(line) for line in res.stdout.strip().splitlines()[-2:])
+    assert mine == {"table": "-  -\nx  1\ny  2\n-  -", "writable": False}
+    assert net["gateway"]["path"] == "/v1/whoami"
+    assert [net[k] for k in ("canary", "dns", "outside")].count("reached") == 0, net
+    assert leftover_containers() == []

@@ -3,7 +3,9 @@
 An agent holding one session's key reaches the model through the forwarder, its calls land in
 its own session's token log, and nothing of another session (its trajectory, its chat route, the
 admin list) is reachable with that key. The example agents (`examples/agents/`) run unmodified
-in every backend (slow: a few hundred tokens each on the CPU).
+in every backend (slow: a few hundred tokens each on the CPU), and so does mini-swe-agent, from
+PyPI, in a venv of its own (local) and in a derived image (docker), both prepared by
+`scripts/test_services.sh` (slow; skipped with the reason where they are missing).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gateway.engines.local import LocalEngine
+from gateway.models import loongsage_home
 from gateway.render import load_renderer
 from gateway.server import Gateway, GatewayConfig
 from sandbox import SandboxConfig, open_sandbox, run_once
@@ -170,3 +173,59 @@ async def test_session_scoped_base_url(backend, served):
     )
     assert res.status == "ok" and res.stdout.strip() == "200", res
     assert len(gw.trajectory(sid).turns) == 1
+
+
+# ---- mini-swe-agent (PyPI), unmodified ----
+
+MINI_VENV = loongsage_home() / "agents" / "mini-swe-agent"
+MINI_IMAGE = "loongsage-mini-swe-agent:latest"
+MINI_ENV = {"MSWEA_CONFIGURED": "true", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+# the recipe's command (recipes/blackbox_mini_swe.yaml), with a small max_tokens for speed
+MINI_COMMAND = (
+    'mini -c mini_swe_agent.yaml -c model.model_kwargs.max_tokens=24 -t "$(cat task.txt)" '
+    "-o traj.json && { test -e answer.txt || : > answer.txt; }"
+)
+
+
+def mini_cfg(backend: str, sock: str) -> SandboxConfig:
+    env = {**MINI_ENV, "MSWEA_MODEL_NAME": "openai/tiny-random"}
+    if backend == "docker":
+        if why := docker_unavailable(MINI_IMAGE):
+            pytest.skip(f"{why} (scripts/test_services.sh builds it)")
+        return make_cfg(backend, image=MINI_IMAGE, timeout_s=300, gateway_socket=sock, env=env)
+    if not (MINI_VENV / "bin" / "mini").exists():
+        pytest.skip(f"no mini-swe-agent venv at {MINI_VENV} (scripts/test_services.sh makes it)")
+    env["PATH"] = f"{MINI_VENV}/bin:/usr/bin:/bin"
+    return make_cfg(backend, timeout_s=300, gateway_socket=sock, env=env, ro_binds=[str(MINI_VENV)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_mini_swe_agent_runs_unmodified(backend, served):
+    """mini-swe-agent as published, through litellm's OpenAI client, with the tiny model (which
+    never writes a valid action): the run ends by its own limits, exit 0, and leaves its
+    trajectory; every call it made is in its session, and nothing else is."""
+    gw, sock = served
+    sid, key = gw.create_session({"agent": "mini-swe-agent"})
+    cfg = mini_cfg(backend, sock)
+    files = {
+        "mini_swe_agent.yaml": (EXAMPLES / "mini_swe_agent.yaml").read_text(),
+        "task.txt": "Ava has 7 apples. She gets 2 more. How many apples does Ava have now?",
+    }
+    res, out = await asyncio.to_thread(
+        run_once,
+        cfg,
+        ["sh", "-c", MINI_COMMAND],
+        files,
+        {"OPENAI_API_KEY": key},
+        ["traj.json", "answer.txt"],
+    )
+    assert res.status == "ok", res
+    traj = json.loads(out["traj.json"])
+    info = traj["info"]
+    assert info["exit_status"] in ("LimitsExceeded", "RepeatedFormatError", "Submitted"), info
+    assert "answer.txt" in out  # the agent's own, or the command's empty one: a verifier reads it
+    calls = info["model_stats"]["api_calls"]
+    turns = gw.trajectory(sid).turns
+    assert calls >= 1 and len(turns) == calls
+    assert all(t.output_ids for t in turns)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.backends import TrainSample, make_backend
 from trainer.backends.torch_backend import TorchBackend, lr_factor
-from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
+from trainer.config import AlgorithmConfig, TrainBackendConfig
 
 
 def make(path, algorithm=None, **train):
@@ -177,13 +177,6 @@ def test_lr_schedule():
     assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0)
 
 
-def test_megatron_kind_says_what_it_needs():
-    cfg = TrainerConfig()
-    cfg.train.kind = "megatron"
-    with pytest.raises(ValueError, match="megatron extra and a GPU"):
-        make_backend(cfg)
-
-
 def test_bad_samples_are_rejected(tiny_model_path):
     backend = make(tiny_model_path)
     with pytest.raises(ValueError, match="at least one sample"):
@@ -210,9 +203,10 @@ def test_cuda_bf16_step(tiny_model_path, tmp_path):
     assert backend.load_checkpoint(tmp_path / "ckpt") == {}
 
 
-def test_samples_from_batch_broadcasts_group_advantages_to_segments():
+def test_train_samples_broadcast_group_advantages_to_segments():
     from gateway.trajectory import Segment, Trajectory
-    from trainer.backends import samples_from_batch
+    from trainer.algorithms import trajectory_advantages
+    from trainer.backends import train_samples
     from trainer.buffer import Batch, Group
 
     def traj(reward, segments):
@@ -230,7 +224,8 @@ def test_samples_from_batch_broadcasts_group_advantages_to_segments():
     ]
     group.dropped = [Trajectory("x", status="aborted", reward=1.0)]
     batch = Batch(groups=[group], version=0, staleness={})
-    samples = samples_from_batch(batch, "drgrpo")  # mean 0.5 -> +0.5, -0.5
+    advantages = trajectory_advantages([g.rewards for g in batch.groups], "drgrpo")
+    samples = train_samples(batch, advantages)  # mean 0.5 -> +0.5, -0.5
     assert [(s.token_ids, s.advantage) for s in samples] == [
         ([1, 2, 3], 0.5),
         ([1, 9, 4], 0.5),

@@ -94,12 +94,24 @@ class CountingEvaluator:
         return {"eval/success_rate": step / 10}
 
 
+class RecordingController(Controller):
+    """Keeps every batch it trains on, for the tests to compare."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
+    async def train_step(self, batch, timer):
+        self.batches.append(batch)
+        return await super().train_step(batch, timer)
+
+
 async def run_toy(tmp_path, tiny_model_path, *overrides, source=None):
     cfg = config(tmp_path, *overrides)
     source = source or ToySource()
     push = ToyPush(source)
     evaluator = CountingEvaluator()
-    ctl = Controller(
+    ctl = RecordingController(
         cfg, backend_for(cfg, tiny_model_path), source, push, evaluator=evaluator,
         decode=lambda ids: " ".join(map(str, ids)),
     )  # fmt: skip

@@ -16,11 +16,12 @@ cluster (`init_ray(address=...)`). Callers never see Ray:
   the controller: it returns a `RemoteState`, a Mapping that holds a reference to the weights
   the backend actor wrote once into Ray's object store (and only pulls them if someone indexes
   it).
-- `RayObjectStorePush` is the `WeightPush` for Ray engines: given a `RemoteState` it hands the
-  object reference to every engine actor, which read the weights straight from the object store
-  (shared memory on one node; Ray's object transfer across nodes); given plain tensors it puts
-  them into the store once first. The controller's `push.push(backend.state_dict(), version)`
-  is therefore the same line for in-process and Ray engines.
+- `RayObjectStoreRoute` is the `ray_object_store` weight route (trainer/weights.py), the one a
+  `RayEngine` accepts first: given a `RemoteState` it hands the object reference to every engine
+  actor, which read the weights straight from the object store (shared memory on one node;
+  Ray's object transfer across nodes); given plain tensors it puts them into the store once
+  first. The controller's `push.push(backend.state_dict(), version)` is therefore the same line
+  for in-process and Ray engines.
 
 Weights travel as numpy arrays (bf16 as int16 bit patterns), which Ray stores out-of-band and
 receivers map without a copy: the state dict is serialized once per push, not once per engine,
@@ -46,7 +47,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from gateway.engines import EngineConfig, make_engine
 from gateway.engines.base import Chunk, EngineError, Generation, PauseMode, SamplingParams
-from trainer.weights import PushReport
+from trainer.weights import WeightPush
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +269,9 @@ def _raise_from(exc: Exception, what: str) -> None:
 class RayEngine:
     """The Engine protocol over an `EngineActor` handle; see the module docstring."""
 
+    weight_routes = ("ray_object_store", "in_process")
+    """Weight routes this receiver accepts, best first (trainer/weights.py)."""
+
     def __init__(self, handle: ray.actor.ActorHandle, info: Mapping[str, int] | None = None):
         self.handle = handle
         if info is None:
@@ -429,13 +433,15 @@ def spawn_engine(
     *,
     num_cpus: float = 1,
     name: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> RayEngine:
     """Start an `EngineActor` (Ray must be initialized: `init_ray`) and wait until it serves.
 
     `num_cpus` is the Ray resource it holds (and its torch threads); `name` makes the actor
-    findable with `ray.get_actor(name)`. Errors building the engine (bad config or model) are
-    raised here as ValueError / EngineError."""
-    options: dict[str, Any] = {"num_cpus": num_cpus}
+    findable with `ray.get_actor(name)`; `options` are further Ray actor options (GPUs,
+    resources, a placement group: trainer/cluster.py). Errors building the engine (bad config
+    or model) are raised here as ValueError / EngineError."""
+    options = {"num_cpus": num_cpus, **(options or {})}
     if name is not None:
         options["name"] = name
     handle = EngineActor.options(**options).remote(cfg, str(model_path))
@@ -547,51 +553,30 @@ def spawn_backend(cfg: Any, *, num_cpus: float = 1) -> RayBackend:
 # ------------------------------------------------------------------------------ weight push
 
 
-class RayObjectStorePush:
-    """WeightPush to `RayEngine`s through Ray's object store (see the module docstring).
+class RayObjectStoreRoute:
+    """The `ray_object_store` weight route (see the module docstring)."""
 
-    `mode` is `rollout.partial_rollout`, as for InProcessPush: `continue` swaps between decoding
-    steps; `abort_resubmit` pauses with `retract`, swaps and resumes."""
+    async def stage(self, state_dict: Mapping[str, torch.Tensor]) -> RemoteState:
+        """Timing starts when the weights were asked for (RayBackend.state_dict) or put."""
+        if isinstance(state_dict, RemoteState):
+            return state_dict
+        return await asyncio.to_thread(RemoteState.put, state_dict)
+
+    async def apply(self, engine: RayEngine, staged: RemoteState, version: int) -> None:
+        await engine.update_from(staged, version)
+
+
+class RayObjectStorePush(WeightPush):
+    """Every engine over the `ray_object_store` route; they must all be `RayEngine`s."""
 
     def __init__(self, engines: Sequence[RayEngine], mode: str = "continue") -> None:
-        if mode not in ("continue", "abort_resubmit"):
-            raise ValueError(
-                f"rollout.partial_rollout: {mode!r} is not one of 'continue', 'abort_resubmit'"
-            )
         for engine in engines:
             if not isinstance(engine, RayEngine):
                 raise ValueError(
                     f"RayObjectStorePush needs RayEngines (spawn_engine), got {type(engine)}; "
                     "use InProcessPush for engines in this process"
                 )
-        self.engines = list(engines)
-        self.mode = mode
-
-    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PushReport:
-        """Timing starts when the weights were asked for (RayBackend.state_dict) or put."""
-        if isinstance(state_dict, RemoteState):
-            state = state_dict
-        else:
-            state = await asyncio.to_thread(RemoteState.put, state_dict)
-        nbytes, *_ = await asyncio.gather(
-            state.ready(), *(self._one(e, state, version) for e in self.engines)
-        )
-        return PushReport(
-            version=version,
-            bytes=nbytes,
-            seconds=time.perf_counter() - state.created,
-            receivers=len(self.engines),
-        )
-
-    async def _one(self, engine: RayEngine, state: RemoteState, version: int) -> None:
-        if self.mode == "continue":
-            await engine.update_from(state, version)
-            return
-        await engine.pause("retract")
-        try:
-            await engine.update_from(state, version)
-        finally:
-            await engine.resume()
+        super().__init__(engines, mode, route="ray_object_store")
 
 
 __all__ = [
@@ -600,6 +585,7 @@ __all__ = [
     "RayBackend",
     "RayEngine",
     "RayObjectStorePush",
+    "RayObjectStoreRoute",
     "RemoteState",
     "init_ray",
     "pack_state",

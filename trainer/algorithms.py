@@ -1,5 +1,8 @@
 """The RL math: group-normalized advantages and the one policy loss every train backend uses.
 
+The controller's train step reads: rewards per group -> `trajectory_advantages` -> samples ->
+the backend's step, which calls `policy_loss` -> weight push.
+
 Three log-probabilities meet in the loss (decoupled PPO, as in AReaL):
 
 - behaviour `b`: what the engine reported when it sampled the token (Segment.logprobs);
@@ -19,6 +22,7 @@ micro-batch metrics (token-weighted means, max of maxes, min of mins).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,14 @@ def group_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1e-
     if kind == "grpo":
         return centered / (rewards.std(dim=1, keepdim=True) + eps)
     raise ValueError(f"algorithm.advantage: unknown kind {kind!r}; use grpo or drgrpo")
+
+
+def trajectory_advantages(
+    rewards_by_group: Sequence[Sequence[float]], kind: str = "grpo"
+) -> list[list[float]]:
+    """One advantage per trajectory: `group_advantages` of each group's rewards (groups may
+    differ in size when samples were aborted)."""
+    return [group_advantages(torch.tensor([r]), kind)[0].tolist() for r in rewards_by_group]
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:

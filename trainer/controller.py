@@ -8,6 +8,12 @@
          ▲                                                                              │
          └──────────────────────────────────────────────────────────────────────────────┘
 
+`Controller.train_step` is the algorithm, top to bottom: each group's rewards become
+advantages (`trajectory_advantages`, trainer/algorithms.py, beside the loss), the batch's
+segments become train samples, the backend takes the loss and optimizer step, the weight push
+delivers the new weights to every engine, and the version moves. `run` is the loop around it:
+wait for a batch, train, evaluate and checkpoint on schedule, log.
+
 Admission and rollouts run as asyncio tasks next to the train loop, so generation continues
 while the trainer trains and syncs; only the staleness window holds them back:
 `accepted + running <= (max_staleness + version + 1) * batch_size` (trainer/buffer.py).
@@ -31,13 +37,11 @@ Run directory: config.yaml, metrics.jsonl, samples.jsonl, plots/*.png, checkpoin
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,13 +49,24 @@ from tqdm import tqdm
 
 from gateway.config import dump_yaml, to_dict
 from gateway.trajectory import Trajectory
-from trainer.backends import TrainBackend, samples_from_batch
+from trainer.algorithms import trajectory_advantages
+from trainer.backends import TrainBackend, train_samples
 from trainer.buffer import Batch, GroupBatcher, PromptStream, StalenessGate
 from trainer.config import TrainerConfig
-from trainer.metrics import MetricsLogger, plot_run
+from trainer.metrics import MetricsLogger, PhaseTimer, SamplesLog, Summary, plot_run
 from trainer.weights import WeightPush
 
 log = logging.getLogger("loongsage.controller")
+
+PHASES = (
+    "time/generation_wait_s",
+    "time/train_s",
+    "time/weight_sync_s",
+    "time/eval_s",
+    "time/checkpoint_s",
+)
+BUSY = ("time/train_s", "time/weight_sync_s", "time/checkpoint_s")
+"""Phases in which the trainer works; the rest of a step it waits (for rollouts, evaluation)."""
 
 
 class RolloutSource(Protocol):
@@ -77,47 +92,6 @@ def resolve_run_dir(cfg: TrainerConfig) -> Path:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = sorted((Path(run_dir) / "checkpoints").glob("step_*/trainer.pt"))
     return found[-1].parent if found else None
-
-
-@dataclass
-class StepTimes:
-    wait: float = 0.0
-    train: float = 0.0
-    sync: float = 0.0
-    eval: float = 0.0
-    checkpoint: float = 0.0
-
-
-@dataclass
-class Summary:
-    run_dir: Path
-    steps: int
-    reward_first: float | None = None
-    reward_last: float | None = None
-    eval_first: dict[str, float] = field(default_factory=dict)
-    eval_last: dict[str, float] = field(default_factory=dict)
-    plots: list[Path] = field(default_factory=list)
-    final_model: Path | None = None
-    aborted: dict[str, int] = field(default_factory=dict)
-    """Rollouts that ended `aborted` or `error` (never trained on), by reason."""
-
-    def text(self) -> str:
-        def fmt(x: float | None) -> str:
-            return "n/a" if x is None else f"{x:.3f}"
-
-        lines = [
-            f"LoongSage run finished: {self.steps} steps in {self.run_dir}",
-            f"  train reward (mean): {fmt(self.reward_first)} -> {fmt(self.reward_last)}",
-        ]
-        for key in sorted(self.eval_last):
-            lines.append(f"  {key}: {fmt(self.eval_first.get(key))} -> {fmt(self.eval_last[key])}")
-        if self.aborted:
-            top = sorted(self.aborted.items(), key=lambda kv: -kv[1])[:3]
-            reasons = "; ".join(f"{n}x {reason[:120]}" for reason, n in top)
-            lines.append(f"  aborted rollouts: {sum(self.aborted.values())} ({reasons})")
-        lines.append(f"  plots: {', '.join(str(p) for p in self.plots)}")
-        lines.append(f"  model: {self.final_model} (Hugging Face folder)")
-        return "\n".join(lines)
 
 
 class Controller:
@@ -154,12 +128,107 @@ class Controller:
         """group id -> prompt, for groups admitted and not yet complete."""
         self.resubmit: list[tuple[int, Any]] = []
         """(group id, prompt) restored from a checkpoint, admitted before new prompts."""
-        self.batches: list[Batch] = []
-        """The last batch trained (kept for inspection and tests)."""
         self._cond = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
         self._admission_error: Exception | None = None
+        self._last_step_end = 0.0
         self.log: MetricsLogger | None = None
+        self.samples: SamplesLog | None = None
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> Summary:
+        summary = Summary(run_dir=self.run_dir, steps=self.cfg.run.steps)
+        if not await self._open_run():
+            summary.eval_first = summary.eval_last = await self._evaluate()
+            self.log.log(0, summary.eval_first)
+        bar = self._progress_bar()
+        admission = asyncio.create_task(self._admit())
+        self._last_step_end = time.monotonic()
+        try:
+            while self.version < self.cfg.run.steps:
+                timer = PhaseTimer(*PHASES)
+                with timer("time/generation_wait_s"):
+                    batch = await self._next_batch()
+                metrics = await self.train_step(batch, timer)
+                evaluation = await self._evaluate_and_checkpoint(timer)
+                metrics |= evaluation | self._loop_metrics(batch, timer)
+                summary.record(metrics, evaluation)
+                self.log.log(self.version, metrics)
+                self._show_progress(bar, metrics, summary.eval_last)
+        finally:
+            bar.close()
+            await self._stop_rollouts(admission)
+            self.log.close()
+        return await self._finish(summary)
+
+    async def train_step(self, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
+        """One step of the algorithm on `batch`; returns its metrics."""
+        rewards = [group.rewards for group in batch.groups]
+        advantages = trajectory_advantages(rewards, self.cfg.algorithm.advantage)
+        samples = train_samples(batch, advantages)
+        with timer("time/train_s"):  # the policy loss and the optimizer step, in the backend
+            train_metrics = await asyncio.to_thread(self.backend.train_step, samples)
+        with timer("time/weight_sync_s"):
+            report = await self.push.push(self.backend.state_dict(), self.version + 1)
+        await self._set_version(self.version + 1)
+        self.samples.write(self.version, batch.trajectories)
+        return batch.metrics() | train_metrics | report.metrics() | self.batcher.metrics()
+
+    async def _set_version(self, version: int) -> None:
+        """The policy moved: the staleness window moves with it."""
+        async with self._cond:
+            self.version = version
+            self.gate.set_version(version)
+            self._cond.notify_all()
+
+    async def _evaluate_and_checkpoint(self, timer: PhaseTimer) -> dict[str, float]:
+        """Evaluation and a checkpoint when their schedules say so (both after the last step)."""
+        evaluation: dict[str, float] = {}
+        if self._due(self.cfg.eval.every):
+            with timer("time/eval_s"):
+                evaluation = await self._evaluate()
+        if self._due(self.cfg.run.checkpoint_every):
+            with timer("time/checkpoint_s"):
+                await self._checkpoint()
+        return evaluation
+
+    def _due(self, every: int) -> bool:
+        return self.version == self.cfg.run.steps or (every > 0 and self.version % every == 0)
+
+    async def _evaluate(self) -> dict[str, float]:
+        return await self.evaluator.evaluate(self.version) if self.evaluator else {}
+
+    def _loop_metrics(self, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
+        now = time.monotonic()
+        wall, self._last_step_end = now - self._last_step_end, now
+        busy = sum(timer.seconds[phase] for phase in BUSY)
+        tokens = sum(t.num_output_tokens for t in batch.trajectories)
+        return {
+            "version": float(self.version),
+            **timer.seconds,
+            "time/step_s": wall,
+            "time/trainer_idle_frac": max(0.0, 1 - busy / wall) if wall > 0 else 0.0,
+            "throughput/tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "throughput/samples_per_s": len(batch.trajectories) / wall if wall else 0.0,
+            "rollout/inflight_groups": float(len(self.inflight)),
+        }
+
+    def _progress_bar(self) -> tqdm:
+        return tqdm(
+            total=self.cfg.run.steps,
+            initial=self.version,
+            desc="train",
+            disable=not self.cfg.logging.progress,
+            file=sys.stderr,
+        )
+
+    @staticmethod
+    def _show_progress(bar: tqdm, metrics: dict[str, float], evaluation: dict[str, float]) -> None:
+        postfix = {"reward": f"{metrics['reward/mean']:.3f}"}
+        postfix |= {k.split("/")[-1]: f"{v:.3f}" for k, v in evaluation.items()}
+        bar.set_postfix(postfix)
+        bar.update(1)
 
     # -- admission and rollouts -----------------------------------------------------------------
 
@@ -237,7 +306,46 @@ class Controller:
                     raise RuntimeError("admitting rollouts failed") from self._admission_error
                 await self._cond.wait()
 
-    # -- checkpoints ------------------------------------------------------------------------------
+    async def _stop_rollouts(self, admission: asyncio.Task) -> None:
+        admission.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(admission, *self._tasks, return_exceptions=True)
+
+    # -- the run directory and checkpoints --------------------------------------------------------
+
+    async def _open_run(self) -> bool:
+        """Resume when run.resume says so, then config.yaml and the logs; True if resumed."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resume = None
+        if cfg.run.resume == "auto":
+            resume = latest_checkpoint(self.run_dir)
+        elif cfg.run.resume:
+            resume = Path(cfg.run.resume)
+        if resume is not None:
+            self._restore(resume)
+            # engines start from the initial weights: give them the resumed ones
+            await self.push.push(self.backend.state_dict(), self.version)
+        dump_yaml(cfg, self.run_dir / "config.yaml")
+        resume_step = self.version if resume is not None else None
+        self.samples = SamplesLog(self.run_dir, cfg.run.samples_per_step, self.decode, resume_step)
+        self.log = MetricsLogger(
+            self.run_dir,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            config=to_dict(cfg),
+            resume_step=resume_step,
+        )
+        return resume is not None
+
+    async def _finish(self, summary: Summary) -> Summary:
+        summary.aborted = dict(self.batcher.abort_reasons)
+        summary.final_model = self.run_dir / "final"
+        await asyncio.to_thread(self.backend.save_hf, summary.final_model)
+        summary.plots = await asyncio.to_thread(plot_run, self.run_dir)
+        return summary
 
     def _controller_state(self) -> dict[str, Any]:
         pending = dict(self.inflight)
@@ -266,145 +374,3 @@ class Controller:
         old = sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/trainer.pt"))
         for stale in old[:-keep] if keep else []:
             await asyncio.to_thread(shutil.rmtree, stale, True)
-
-    # -- the loop ---------------------------------------------------------------------------------
-
-    async def _evaluate(self) -> dict[str, float]:
-        return await self.evaluator.evaluate(self.version) if self.evaluator else {}
-
-    def _trim_samples(self, resume_step: int | None) -> None:
-        """A fresh run starts samples.jsonl empty; a resumed one drops the steps it redoes."""
-        path = self.run_dir / "samples.jsonl"
-        if not path.exists():
-            return
-        keep = []
-        if resume_step is not None:
-            keep = [
-                x for x in path.read_text().splitlines() if json.loads(x)["step"] <= resume_step
-            ]
-        path.write_text("".join(x + "\n" for x in keep))
-
-    def _write_samples(self, batch: Batch) -> None:
-        k = self.cfg.run.samples_per_step
-        with (self.run_dir / "samples.jsonl").open("a") as f:
-            for traj in batch.trajectories[:k]:
-                tokens = [t for s in traj.segments for t in s.token_ids]
-                rec = {
-                    "step": self.version + 1,  # the metrics.jsonl step this batch trains
-                    "reward": traj.reward,
-                    "status": traj.status,
-                    "versions": sorted({v for s in traj.segments for v in s.versions if v >= 0}),
-                    "text": self.decode(tokens) if self.decode else None,
-                    "token_ids": None if self.decode else tokens,
-                }
-                f.write(json.dumps(rec) + "\n")
-
-    async def run(self) -> Summary:
-        cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        resume = None
-        if cfg.run.resume == "auto":
-            resume = latest_checkpoint(self.run_dir)
-        elif cfg.run.resume:
-            resume = Path(cfg.run.resume)
-        if resume is not None:
-            self._restore(resume)
-            # engines start from the initial weights: give them the resumed ones
-            await self.push.push(self.backend.state_dict(), self.version)
-        dump_yaml(cfg, self.run_dir / "config.yaml")
-        self._trim_samples(self.version if resume is not None else None)
-        self.log = MetricsLogger(
-            self.run_dir,
-            tensorboard=cfg.logging.tensorboard,
-            wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project,
-            config=to_dict(cfg),
-            resume_step=self.version if resume is not None else None,
-        )
-        summary = Summary(run_dir=self.run_dir, steps=cfg.run.steps)
-        if resume is None:
-            summary.eval_first = await self._evaluate()
-            self.log.log(0, summary.eval_first)
-        bar = tqdm(
-            total=cfg.run.steps,
-            initial=self.version,
-            desc="train",
-            disable=not cfg.logging.progress,
-            file=sys.stderr,
-        )
-        admission = asyncio.create_task(self._admit())
-        last_end = time.monotonic()
-        last_eval: dict[str, float] = dict(summary.eval_first)
-        try:
-            while self.version < cfg.run.steps:
-                t = StepTimes()
-                t0 = time.monotonic()
-                batch = await self._next_batch()
-                t1 = time.monotonic()
-                samples = samples_from_batch(batch, cfg.algorithm.advantage)
-                train_metrics = await asyncio.to_thread(self.backend.train_step, samples)
-                t2 = time.monotonic()
-                report = await self.push.push(self.backend.state_dict(), self.version + 1)
-                t3 = time.monotonic()
-                t.wait, t.train, t.sync = t1 - t0, t2 - t1, t3 - t2
-                self._write_samples(batch)
-                async with self._cond:
-                    self.version += 1
-                    self.gate.set_version(self.version)
-                    self._cond.notify_all()
-                metrics = batch.metrics() | train_metrics | report.metrics()
-                metrics |= self.batcher.metrics()
-                last = self.version == cfg.run.steps
-                every = cfg.eval.every
-                if last or (every and self.version % every == 0):
-                    te = time.monotonic()
-                    last_eval = await self._evaluate()
-                    metrics |= last_eval
-                    t.eval = time.monotonic() - te
-                ce = cfg.run.checkpoint_every
-                if last or (ce and self.version % ce == 0):
-                    tc = time.monotonic()
-                    await self._checkpoint()
-                    t.checkpoint = time.monotonic() - tc
-                now = time.monotonic()
-                wall = now - last_end
-                busy = t.train + t.sync + t.checkpoint
-                last_end = now
-                tokens = sum(tr.num_output_tokens for tr in batch.trajectories)
-                metrics |= {
-                    "version": float(self.version),
-                    "time/generation_wait_s": t.wait,
-                    "time/train_s": t.train,
-                    "time/weight_sync_s": t.sync,
-                    "time/eval_s": t.eval,
-                    "time/checkpoint_s": t.checkpoint,
-                    "time/step_s": wall,
-                    # idle = neither training, syncing nor checkpointing: waiting for rollouts
-                    # (and for evaluation, which the train loop awaits)
-                    "time/trainer_idle_frac": max(0.0, 1 - busy / wall) if wall > 0 else 0.0,
-                    "throughput/tokens_per_s": tokens / wall if wall > 0 else 0.0,
-                    "throughput/samples_per_s": len(batch.trajectories) / wall if wall else 0.0,
-                    "rollout/inflight_groups": float(len(self.inflight)),
-                }
-                if summary.reward_first is None:
-                    summary.reward_first = metrics["reward/mean"]
-                summary.reward_last = metrics["reward/mean"]
-                self.batches = [batch]
-                self.log.log(self.version, metrics)
-                postfix = {"reward": f"{metrics['reward/mean']:.3f}"}
-                postfix |= {k.split("/")[-1]: f"{v:.3f}" for k, v in last_eval.items()}
-                bar.set_postfix(postfix)
-                bar.update(1)
-        finally:
-            bar.close()
-            admission.cancel()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(admission, *self._tasks, return_exceptions=True)
-            self.log.close()
-        summary.eval_last = last_eval
-        summary.aborted = dict(self.batcher.abort_reasons)
-        summary.final_model = self.run_dir / "final"
-        await asyncio.to_thread(self.backend.save_hf, summary.final_model)
-        summary.plots = await asyncio.to_thread(plot_run, self.run_dir)
-        return summary

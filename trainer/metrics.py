@@ -1,22 +1,29 @@
-"""The one metrics interface of a run: metrics.jsonl always, TensorBoard/W&B when asked, plots.
+"""The one metrics interface of a run: metrics.jsonl always, TensorBoard/W&B when asked, plots,
+readable samples, and the summary printed at the end.
 
 `MetricsLogger.log(step, metrics)` appends one JSON line per step to `<run>/metrics.jsonl` (with
 `step` and `time_s`, the run's wall time, which continues across a resume) and mirrors it to
 TensorBoard and W&B when `logging.tensorboard` / `logging.wandb` are set. Asking for one that is
 not installed is an error at start, not a silent no-op. `plot_run` turns metrics.jsonl into PNGs
 at the end: reward and eval curves, the train-inference gap, and the trainer's utilization
-timeline (waiting for generation vs training vs weight sync, per step).
+timeline (waiting for generation vs training vs weight sync, per step). `SamplesLog` writes a
+few decoded trajectories per step to `<run>/samples.jsonl`; `PhaseTimer` times the phases of a
+step as context managers; `Summary` is what a run returns and prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gateway.trajectory import Trajectory
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -190,3 +197,95 @@ def plot_run(run_dir: Path) -> list[Path]:
     bottom.legend(fontsize=8)
     save(fig, "timeline.png")
     return written
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of one step, by metric name:
+    `with timer("time/train_s"): ...`; phases that did not run read 0."""
+
+    def __init__(self, *phases: str) -> None:
+        self.seconds = dict.fromkeys(phases, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - start
+
+
+class SamplesLog:
+    """`<run>/samples.jsonl`: the first `per_step` trajectories of each step, decoded when a
+    `decode` is given (token ids otherwise). `resume_step` drops lines after that step (they are
+    redone); a fresh run starts the file empty."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        per_step: int,
+        decode: Callable[[list[int]], str] | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        self.path = Path(run_dir) / "samples.jsonl"
+        self.per_step = per_step
+        self.decode = decode
+        if self.path.exists():
+            lines = self.path.read_text().splitlines()
+            kept = [
+                x for x in lines if resume_step is not None and json.loads(x)["step"] <= resume_step
+            ]
+            self.path.write_text("".join(x + "\n" for x in kept))
+
+    def write(self, step: int, trajectories: list[Trajectory]) -> None:
+        with self.path.open("a") as f:
+            for traj in trajectories[: self.per_step]:
+                tokens = [t for s in traj.segments for t in s.token_ids]
+                rec = {
+                    "step": step,
+                    "reward": traj.reward,
+                    "status": traj.status,
+                    "versions": sorted({v for s in traj.segments for v in s.versions if v >= 0}),
+                    "text": self.decode(tokens) if self.decode else None,
+                    "token_ids": None if self.decode else tokens,
+                }
+                f.write(json.dumps(rec) + "\n")
+
+
+@dataclass
+class Summary:
+    run_dir: Path
+    steps: int
+    reward_first: float | None = None
+    reward_last: float | None = None
+    eval_first: dict[str, float] = field(default_factory=dict)
+    eval_last: dict[str, float] = field(default_factory=dict)
+    plots: list[Path] = field(default_factory=list)
+    final_model: Path | None = None
+    aborted: dict[str, int] = field(default_factory=dict)
+    """Rollouts that ended `aborted` or `error` (never trained on), by reason."""
+
+    def record(self, metrics: Mapping[str, float], evaluation: dict[str, float]) -> None:
+        """One step's metrics and, when it evaluated, its evaluation."""
+        if self.reward_first is None:
+            self.reward_first = metrics["reward/mean"]
+        self.reward_last = metrics["reward/mean"]
+        self.eval_last = evaluation or self.eval_last
+
+    def text(self) -> str:
+        def fmt(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.3f}"
+
+        lines = [
+            f"LoongSage run finished: {self.steps} steps in {self.run_dir}",
+            f"  train reward (mean): {fmt(self.reward_first)} -> {fmt(self.reward_last)}",
+        ]
+        for key in sorted(self.eval_last):
+            lines.append(f"  {key}: {fmt(self.eval_first.get(key))} -> {fmt(self.eval_last[key])}")
+        if self.aborted:
+            top = sorted(self.aborted.items(), key=lambda kv: -kv[1])[:3]
+            reasons = "; ".join(f"{n}x {reason[:120]}" for reason, n in top)
+            lines.append(f"  aborted rollouts: {sum(self.aborted.values())} ({reasons})")
+        lines.append(f"  plots: {', '.join(str(p) for p in self.plots)}")
+        lines.append(f"  model: {self.final_model} (Hugging Face folder)")
+        return "\n".join(lines)

@@ -1,13 +1,20 @@
 """`python -m trainer.run recipe=NAME [key.sub=value ...]`: the main job.
 
-Builds the parts a recipe names and hands them to the controller:
+Builds the parts a recipe names, each from its registry of kinds, and hands them to the
+controller:
 
     engine (Ray actor, or in-process)  <- gateway (in this process, per-rollout sessions)
          ^                                   ^
-         | weight push after each step       | AgentFlow: white-box tool loop or sandboxed command
+         | weight push after each step       | AgentFlow: the agent kind `agent.kind` names
     train backend (Ray actor, or in-process) <- controller (admission, batches, train, push, eval)
 
-`--help` lists every key with its help text; `recipe=quickstart` is the CPU default.
+With `ray.enabled` the backend's ranks run as Ray actors (one per rank: tensor x pipeline x
+data parallel), and so does the engine unless its kind is a client of servers elsewhere
+(`remote`, e.g. SGLang); trainer/cluster.py places them, on this machine or on the cluster at
+`ray.address`.
+The gateway also listens on a Unix socket in a private temporary folder: the only way out of
+the sandboxes of black-box agents. `--help` lists every key with its help text;
+`recipe=quickstart` is the CPU default.
 """
 
 from __future__ import annotations
@@ -15,124 +22,89 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
-import tempfile
+import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
+import gymnasium as gym
 from transformers import AutoTokenizer
 
-from envs.eval import evaluate
 from gateway.config import ConfigError
-from gateway.engines import make_engine
+from gateway.engines import ENGINES, make_engine
+from gateway.engines.base import Engine
 from gateway.models import resolve_model
 from gateway.server import Gateway, GatewayConfig
-from sandbox.image import docker_unavailable
-from trainer.agentflow import AgentFlow
-from trainer.backends import make_backend
+from trainer.agentflow import AgentFlow, gateway_socket
+from trainer.backends import TrainBackend, make_backend
 from trainer.buffer import PromptStream
 from trainer.config import TrainerConfig, load
-from trainer.controller import Controller, Summary
-from trainer.weights import InProcessPush
+from trainer.controller import Controller
+from trainer.eval import FlowEvaluator
+from trainer.metrics import Summary
+from trainer.weights import WeightPush
 
 
-class EnvEvaluator:
-    """`eval/*` metrics: the env's held-out split, greedy by default, through the gateway, played
-    by the recipe's own agent (the white-box loop, or the black-box command in its sandbox)."""
+@contextlib.asynccontextmanager
+async def engine_and_backend(
+    cfg: TrainerConfig, model_path: str
+) -> AsyncIterator[tuple[Engine, TrainBackend]]:
+    """The engine and the train backend; both stopped on exit. With `ray.enabled` the backend's
+    ranks are Ray actors, and so is the engine unless it is a client of servers elsewhere
+    (trainer/cluster.py places them); otherwise both run in this process."""
+    async with contextlib.AsyncExitStack() as stack:
+        remote = ENGINES.attrs(cfg.engine.kind)["remote"]
+        if cfg.ray.enabled:
+            from trainer import cluster
 
-    def __init__(self, gateway: Gateway, cfg: TrainerConfig, flow: AgentFlow) -> None:
-        self.gateway = gateway
-        self.cfg = cfg
-        self.flow = flow
-
-    async def evaluate(self, step: int) -> dict[str, float]:
-        if self.cfg.eval.n == 0:
-            return {}
-        if self.cfg.agent.kind == "command":
-            return await self._evaluate_agent()
-        r = self.cfg.rollout
-        result = await evaluate(
-            self.gateway,
-            r.env,
-            r.env_kwargs,
-            n=self.cfg.eval.n,
-            temperature=self.cfg.eval.temperature,
-            max_tokens=r.max_tokens,
-            max_turns=r.max_turns,
-        )
-        return {
-            "eval/success_rate": result.success_rate,
-            "eval/mean_reward": result.mean_reward,
-            "eval/mean_turns": result.mean_turns,
-            "eval/mean_tokens": result.mean_tokens,
-        }
-
-    async def _evaluate_agent(self) -> dict[str, float]:
-        trajs = await asyncio.gather(
-            *(
-                self.flow.rollout(
-                    None,
-                    options={"split": "eval", "index": i},
-                    temperature=self.cfg.eval.temperature,
-                )
-                for i in range(self.cfg.eval.n)
-            )
-        )
-        n = len(trajs)
-        return {
-            "eval/success_rate": sum((t.reward or 0.0) >= 1.0 for t in trajs) / n,
-            "eval/mean_reward": sum(t.reward or 0.0 for t in trajs) / n,
-            "eval/mean_tokens": sum(t.num_output_tokens for t in trajs) / n,
-            "eval/aborted_frac": sum(t.status != "ok" for t in trajs) / n,
-        }
+            cluster.init(cfg.ray)
+        if cfg.ray.enabled and not remote:
+            engine = await stack.enter_async_context(cluster.placed_engine(cfg, model_path))
+        else:
+            engine = make_engine(cfg.engine, model_path)
+            stack.push_async_callback(engine.close)
+        if cfg.ray.enabled:
+            backend = stack.enter_context(cluster.placed_trainer(cfg))
+            print(cluster.describe(engine, backend), flush=True)
+        else:
+            backend = make_backend(cfg)
+        yield engine, backend
 
 
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     """Run `cfg` to the end; everything started here is stopped before returning."""
-    if cfg.agent.kind == "command" and cfg.agent.sandbox.kind == "docker":
-        # Fail before loading anything, not with every rollout aborted.
-        if why := docker_unavailable(cfg.agent.sandbox.image):
-            raise ConfigError(f"agent.sandbox.kind=docker: {why} (or agent.sandbox.kind=local)")
+    AgentFlow.check(cfg.rollout.env, cfg.agent)  # before loading anything
     model_path = resolve_model(cfg.model.name)
-    mode = cfg.rollout.partial_rollout
-    use_ray = cfg.ray.enabled and cfg.engine.kind == "local"
     async with contextlib.AsyncExitStack() as stack:
-        if use_ray:
-            from trainer.actors import RayObjectStorePush, init_ray, spawn_backend, spawn_engine
-
-            init_ray(cfg.ray.address, cfg.ray.num_cpus)
-            engine = spawn_engine(cfg.engine, model_path, num_cpus=cfg.ray.engine_cpus)
-            stack.push_async_callback(engine.close)
-            backend = spawn_backend(cfg, num_cpus=cfg.ray.trainer_cpus)
-            stack.callback(backend.close)
-            push: Any = RayObjectStorePush([engine], mode)
-        else:
-            engine = make_engine(cfg.engine, model_path)
-            stack.push_async_callback(engine.close)
-            backend = make_backend(cfg)
-            push = InProcessPush([engine], mode)
+        engine, backend = await stack.enter_async_context(engine_and_backend(cfg, model_path))
+        _stop_on_sigterm(stack)
         gateway = Gateway(engine, model_path, GatewayConfig(model=cfg.model.name, auth="keys"))
         stack.push_async_callback(gateway.aclose)
-        socket_path = None
-        if cfg.agent.kind == "command":
-            # Sandboxes reach the gateway only through this Unix socket (short path: 108-byte limit).
-            socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="loongsage-"))
-            socket_path = str(Path(socket_dir) / "gateway.sock")
-            server = await gateway.start_http(port=0, uds=socket_path)
-            stack.push_async_callback(server.stop)
-        source = AgentFlow(gateway, cfg.rollout, cfg.agent, gateway_socket=socket_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        socket = await stack.enter_async_context(gateway_socket(gateway))
+        flow = AgentFlow(gateway, cfg.rollout, cfg.agent, gateway_socket=socket)
         controller = Controller(
             cfg,
             backend,
-            source,
-            push,
+            flow,
+            WeightPush([engine], cfg.rollout.partial_rollout),
             prompts=PromptStream(seed=cfg.run.seed),
-            evaluator=EnvEvaluator(gateway, cfg, source),
-            decode=tokenizer.decode,
+            evaluator=FlowEvaluator(flow, cfg.eval),
+            decode=AutoTokenizer.from_pretrained(model_path).decode,
             run_dir=run_dir,
         )
         return await controller.run()
+
+
+def _stop_on_sigterm(stack: contextlib.AsyncExitStack) -> None:
+    """SIGTERM stops the run as Ctrl-C does: every task cancelled, everything started stopped
+    (sandboxes included), then exit. Set after Ray starts, whose own handler would exit from
+    wherever the loop happens to be and leave worker threads to finish their agents first."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, signal.raise_signal, signal.SIGINT)
+    stack.callback(loop.remove_signal_handler, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load(sys.argv[1:] if argv is None else argv)
         summary = asyncio.run(train(cfg))
-    except ConfigError as e:
+    except (ConfigError, gym.error.Error) as e:
         raise SystemExit(f"trainer.run: {e}") from None
     except KeyboardInterrupt:
         raise SystemExit(

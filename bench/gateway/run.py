@@ -21,7 +21,9 @@ Besides latency and req/s, each line reports the CPU time the measured server pr
 request (and so req/s per core): on a shared machine that is the number noise moves least.
 
 Run: `.venv/bin/python bench/gateway/run.py` (needs the `bench` extra: `pip install -e '.[bench]'`;
-`--skip-litellm` runs without it). `--gateway-launcher nodelay` serves the same gateway app from
+`--skip-litellm` runs without it). `--baseline DIR` also serves the gateway of another source
+tree (e.g. `git archive REV | tar -x -C DIR`) and prints the current one's req/s against it, side
+by side in the same run: how the cost of a change (such as request validation) is measured. `--gateway-launcher nodelay` serves the same gateway app from
 uvicorn's own socket (see `serve_nodelay.py`: TCP_NODELAY). Numbers depend on the machine and
 its load: every server and the client share its cores.
 """
@@ -61,9 +63,11 @@ MESSAGES = [{"role": "user", "content": "Write one short sentence about the sea.
 
 
 @contextlib.contextmanager
-def process(name: str, cmd: list[str], env: dict[str, str] | None = None) -> Iterator[int]:
+def process(
+    name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: str | Path = ROOT
+) -> Iterator[int]:
     log = open(tempfile.gettempdir() + f"/loongsage-bench-{name}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         yield proc.pid
     finally:
@@ -231,6 +235,8 @@ async def measure(
                     check_chat(stream),
                 ),
             }
+            if "baseline" in ports:
+                targets["gw baseline"] = (ports["baseline"], *targets["gateway"][1:])
             if "litellm" in ports:
                 targets["openai direct"] = (
                     ports["openai"],
@@ -255,6 +261,7 @@ async def measure(
             server_of = {
                 "sglang direct": "sglang",
                 "gateway": "gateway",
+                "gw baseline": "baseline",
                 "openai direct": "openai",
                 "litellm": "litellm",
             }
@@ -331,6 +338,17 @@ def ratios(rows: list[dict]) -> list[str]:
                 f"{f(gw['rps_per_core'], '.0f', 23)} {f(ll['rps_per_core'] if ll else None, '.0f', 7)}"
                 f" {f(core_ratio, '.1f', 5)}x"
             )
+    if any(r["target"] == "gw baseline" for r in rows):
+        lines += ["", "gateway vs the baseline tree (--baseline): req/s and req/s per core"]
+        for r in rows:
+            base = by.get(("gw baseline", r["stream"], r["concurrency"]))
+            if r["target"] == "gateway" and base:
+                lines.append(
+                    f"{'stream' if r['stream'] else 'plain':<6} {r['concurrency']:>4} | "
+                    f"{r['rps']:>7.0f} vs {base['rps']:>7.0f} ({r['rps'] / base['rps']:.2f}x) | "
+                    f"{r['rps_per_core']:>7.0f} vs {base['rps_per_core']:>7.0f} "
+                    f"({r['rps_per_core'] / base['rps_per_core']:.2f}x)"
+                )
     return lines
 
 
@@ -457,6 +475,11 @@ def main() -> None:
         help="serve: python -m gateway.serve; nodelay: the same app on uvicorn's own socket "
         "(TCP_NODELAY; see serve_nodelay.py)",
     )
+    parser.add_argument(
+        "--baseline",
+        help="also serve the gateway from this source tree (e.g. `git archive REV | tar -x`) "
+        "and print the current gateway's req/s against it, side by side",
+    )
     parser.add_argument("--skip-litellm", action="store_true")
     parser.add_argument("--skip-load-test", action="store_true")
     parser.add_argument("--out", help="write all numbers as JSON here")
@@ -470,6 +493,8 @@ def main() -> None:
         sys.exit("litellm is not installed: pip install -e '.[bench]' (or pass --skip-litellm)")
 
     ports = {"sglang": free_port(), "gateway": free_port()}
+    if args.baseline:
+        ports["baseline"] = free_port()
     if use_litellm:
         ports |= {"openai": free_port(), "litellm": free_port()}
     py = sys.executable
@@ -509,6 +534,24 @@ def main() -> None:
                 ],
             )
         )
+        if args.baseline:
+            pids["baseline"] = stack.enter_context(
+                process(
+                    "gateway-baseline",
+                    [
+                        py,
+                        "-m",
+                        "gateway.serve",
+                        "engine.kind=sglang",
+                        f"engine.urls=[http://127.0.0.1:{ports['sglang']}]",
+                        f"model={MODEL}",
+                        "auth=open",
+                        f"port={ports['baseline']}",
+                    ],  # fmt: skip
+                    env={**env, "PYTHONPATH": str(Path(args.baseline).resolve())},
+                    cwd=args.baseline,
+                )
+            )
         if use_litellm:
             pids["openai"] = stack.enter_context(
                 process(
@@ -535,6 +578,8 @@ def main() -> None:
             )
         wait_http("fake-sglang", f"http://127.0.0.1:{ports['sglang']}/health")
         wait_http("gateway", f"http://127.0.0.1:{ports['gateway']}/health")
+        if args.baseline:
+            wait_http("gateway-baseline", f"http://127.0.0.1:{ports['baseline']}/health")
         if use_litellm:
             wait_http("fake-openai", f"http://127.0.0.1:{ports['openai']}/health")
             wait_http("litellm", f"http://127.0.0.1:{ports['litellm']}/health/liveliness")

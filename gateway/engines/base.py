@@ -23,6 +23,10 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (temperature 0), as vLLM and SGLang do: dividing
+logits by 1e-40 (0 in float32) or a denormal gives inf/NaN."""
+
 
 class EngineError(RuntimeError):
     """An engine failed (crashed, unreachable, unhealthy): not the caller's fault."""
@@ -35,7 +39,7 @@ class SamplingParams:
     max_tokens: int = 256
     """Maximum number of tokens to generate (>= 1)."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy; anything below `MIN_TEMPERATURE` becomes 0."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = 0
@@ -58,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -73,9 +79,11 @@ class SamplingParams:
         if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not -(2**63) <= self.seed < 2**64
         ):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:

@@ -1,0 +1,142 @@
+"""What the controller needs from whatever holds the weights and the optimizer.
+
+A backend takes `TrainSample`s (token ids, loss mask, behaviour log-probs, advantage), runs one
+train step with the one loss of `trainer.algorithms`, hands its weights to the weight push and
+saves/loads resumable checkpoints and final HF folders. `train_samples` turns a batch and its
+advantages (computed in `trainer.algorithms`) into samples. What every backend does the same
+way lives here too: checking samples, packing them into micro-batches, the LR schedule, and the
+RNG state a checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from trainer.buffer import Batch
+
+
+@dataclass
+class TrainSample:
+    """One segment to train on, with its trajectory's advantage."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    """Behaviour log-probs (the engine's), aligned with token_ids; 0.0 where loss_mask is 0."""
+    advantage: float
+
+
+def train_samples(batch: Batch, advantages: list[list[float]]) -> list[TrainSample]:
+    """Every segment with sampled tokens, with its trajectory's advantage (`advantages[g][i]` for
+    trajectory i of group g)."""
+    samples = []
+    for group, adv in zip(batch.groups, advantages, strict=True):
+        for traj, a in zip(group.trajectories, adv, strict=True):
+            for seg in traj.segments:
+                if any(seg.loss_mask):
+                    samples.append(TrainSample(seg.token_ids, seg.loss_mask, seg.logprobs, a))
+    return samples
+
+
+def check_samples(samples: list[TrainSample]) -> None:
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    for s in samples:
+        if not len(s.token_ids) == len(s.loss_mask) == len(s.logprobs):
+            raise ValueError("a sample's token_ids, loss_mask and logprobs differ in length")
+
+
+def micro_batches(idx: list[int], samples: list[TrainSample], budget: int) -> list[list[int]]:
+    """Greedy packing of samples `idx`, longest first, so that rows * longest row <= budget
+    (`train.micro_batch_tokens`; a longer sample is a micro-batch of its own)."""
+    order = sorted(idx, key=lambda i: -len(samples[i].token_ids))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            cur = batches[-1]
+            width = len(samples[cur[0]].token_ids)  # longest, since sorted
+            if width * (len(cur) + 1) <= budget:
+                cur.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def pad_rows(rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
+    """Right-padded [len(rows), longest row] tensor."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak LR at train step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a checkpoint restores (torch, CUDA, Python, numpy)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    @property
+    def step(self) -> int:
+        """Train steps taken (= the weight version the backend holds)."""
+        ...
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One step (num_minibatches optimizer steps, one LR-schedule step); returns metrics:
+        `train/*` (loss, grad_norm, lr, ...) and the `mismatch/*` train-inference gap."""
+        ...
+
+    def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        """Current log-prob of each token given the ones before it (0.0 at position 0)."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named weights for the weight push (live tensors: receivers copy them)."""
+        ...
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Model, optimizer, scheduler, RNG and `extra` (controller/data state) into folder path."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore a save_checkpoint folder; returns its `extra`."""
+        ...
+
+    def save_hf(self, path: Path) -> None:
+        """An HF model folder (weights, config, tokenizer) loadable by transformers / SGLang."""
+        ...
