@@ -38,8 +38,8 @@ Semantics worth knowing:
 - Failure isolation: a row whose distribution is not finite ends its own request, alone, with
   a `ValueError` when its temperature made finite logits overflow (the gateway's 400) or an
   `EngineError` when the model's logits themselves are NaN/inf; the other rows go on unharmed
-  (padding never mixes rows; the failed row's cache is zeroed). Positive temperatures below
-  float32's smallest normal number are refused up front (`ValueError` from `stream`).
+  (padding never mixes rows; the failed row's cache is zeroed). Temperatures below
+  `base.MIN_TEMPERATURE` are greedy (`SamplingParams`), so only absurd logits (~1e33) overflow.
 - Stop strings are searched in the decoded output; the token completing the match is kept.
 - `update_weights` is applied by the engine thread between steps (all tensors or none, shapes
   checked before anything is queued), one `copy_` per tensor into the live weights (with the
@@ -90,8 +90,6 @@ PREFILL_TOKEN_BUDGET = 8192
 """Padded prompt tokens prefilled in one forward; bounds activation memory when many join."""
 SCORE_LOGITS_BUDGET = 128 * 2**20
 """Logit elements (batch x kept positions x vocab) per scoring forward."""
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
-"""Smaller positive temperatures are refused up front (logits / T is inf or NaN in fp32)."""
 NUCLEUS_CANDIDATES = 256
 """top-p looks for its nucleus among this many most likely tokens first; rows whose nucleus is
 larger are fully sorted."""
@@ -239,11 +237,6 @@ class LocalEngine:
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                 f"= {total} exceeds the context limit of {self._max_context} tokens; lower "
                 "max_tokens or shorten the prompt"
-            )
-        if 0 < params.temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature: {params.temperature!r} is below float32's smallest normal number "
-                f"({MIN_TEMPERATURE:.3g}), so the scaled logits overflow; use 0 for greedy"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: {self.model_path} has no tokenizer to match stop strings")
