@@ -195,7 +195,9 @@ async def test_an_overflowing_temperature_ends_only_its_request(untied_path):
         head = eng._weights["lm_head.weight"] * 1e36
         await eng.update_weights({"lm_head.weight": head}, version=1)
         alone = [await eng.generate(p, sp) for p, sp in BYSTANDERS]
-        outs = await run_together(eng, [(PROMPTS[0], sampled(1, temperature=2 * MIN_TEMPERATURE)), *BYSTANDERS])
+        outs = await run_together(
+            eng, [(PROMPTS[0], sampled(1, temperature=2 * MIN_TEMPERATURE)), *BYSTANDERS]
+        )
         assert isinstance(outs[0], ValueError) and "temperature" in str(outs[0])
         for got, want in zip(outs[1:], alone, strict=True):
             assert got.output_ids == want.output_ids
