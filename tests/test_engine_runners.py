@@ -140,6 +140,35 @@ async def test_slot_cache_grows_and_compacts_under_load(tiny_model_path, monkeyp
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+async def test_aborting_a_running_row_moves_the_last_into_its_place(tiny_model_path, forward):
+    """An abort is a command between steps, not a decode step; the row it frees is refilled
+    from the end (an in-place cache copy) and the other requests go on as if alone."""
+    reqs = [(p, sampled(i, max_tokens=16)) for i, p in enumerate(PROMPTS)]
+    async with LocalEngine(tiny_model_path, forward=forward) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in reqs]
+        await eng.pause()
+        long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        first = eng.stream(PROMPTS[0], long, request_id="first")
+        streams = [first, *(eng.stream(p, sp) for p, sp in reqs)]
+        pending = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0.05)
+        await eng.resume()
+        await pending[0]  # row 0 has its first token; it leaves while the others decode
+        await eng.pause()
+        await eng.abort("first")
+        await eng.resume()
+        rest = [
+            [await chunk, *[c async for c in s]]
+            for chunk, s in zip(pending[1:], streams[1:], strict=True)
+        ]
+        assert eng.load == 0 and await eng.health()
+    for want, chunks in zip(alone, rest, strict=True):
+        assert [t for c in chunks for t in c.token_ids] == want.output_ids
+        got = [x for c in chunks for x in c.logprobs]
+        torch.testing.assert_close(got, want.output_logprobs, atol=1e-4, rtol=0)
+
+
 # --------------------------------------------------------------------- failure isolation
 
 

@@ -389,21 +389,23 @@ class LocalEngine:
 
     def _loop(self) -> None:
         torch.set_num_threads(self._num_threads)  # OpenMP settings are per thread
-        while not self._stop:
-            busy = not self._paused and bool(self._waiting or self._rows)
-            self._run_commands(block=not busy)
-            if self._score_jobs:
-                self._run_scores()
-            if self._stop or self._paused:
-                continue
-            try:
-                with torch.inference_mode():
+        # Commands change the cache in place too (an abort moves rows into holes), and the cache
+        # is an inference tensor: everything on this thread runs in inference mode.
+        with torch.inference_mode():
+            while not self._stop:
+                busy = not self._paused and bool(self._waiting or self._rows)
+                self._run_commands(block=not busy)
+                if self._score_jobs:
+                    self._run_scores()
+                if self._stop or self._paused:
+                    continue
+                try:
                     self._admit()
                     if self._rows:
                         self._decode()
-            except Exception as exc:  # a broken batch fails its requests, never the loop
-                self._fail(self._rows, exc)
-                self._reset_batch()
+                except Exception as exc:  # a broken batch fails its requests, never the loop
+                    self._fail(self._rows, exc)
+                    self._reset_batch()
         self._fail(self._rows + list(self._waiting), EngineError("the local engine was closed"))
 
     def _run_commands(self, block: bool) -> None:
@@ -597,12 +599,11 @@ class LocalEngine:
         self._paused = False
 
     def _swap_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        with torch.no_grad():
-            for name, tensor in state.items():
-                live = self._weights[name]
-                if live.dim() == 2 and live.stride(0) < live.stride(1):  # a transposed buffer
-                    live, tensor = live.t(), tensor.t()  # write in the buffer's order: ~3x faster
-                live.copy_(tensor)
+        for name, tensor in state.items():
+            live = self._weights[name]
+            if live.dim() == 2 and live.stride(0) < live.stride(1):  # a transposed buffer
+                live, tensor = live.t(), tensor.t()  # write in the buffer's order: ~3x faster
+            live.copy_(tensor)
         self._version = version
         self._retract_all()  # recompute running requests' cache with the new weights
 
@@ -644,8 +645,7 @@ class LocalEngine:
             reply(results[j], failed.get(j))
 
     def _score_group(self, group: list[tuple], results: list[list[Any]]) -> None:
-        with torch.inference_mode():
-            scores = self._runner.score([seq for seq, *_ in group], [b for _, b, _, _ in group])
+        scores = self._runner.score([seq for seq, *_ in group], [b for _, b, _, _ in group])
         for (_, _, j, k), score in zip(group, scores, strict=True):
             results[j][k] = score
 
