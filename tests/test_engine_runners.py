@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from gateway.engines import _llama
-from gateway.engines.base import EngineError, SamplingParams
+from gateway.engines.base import MIN_TEMPERATURE, EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
 
 PROMPTS = [[1, 504, 3458, 282, 4799, 314], [1, 28, 17, 9, 355], [1, 8396, 2, 7, 1306, 52, 52]]
@@ -140,6 +140,35 @@ async def test_slot_cache_grows_and_compacts_under_load(tiny_model_path, monkeyp
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+async def test_aborting_a_running_row_moves_the_last_into_its_place(tiny_model_path, forward):
+    """An abort is a command between steps, not a decode step; the row it frees is refilled
+    from the end (an in-place cache copy) and the other requests go on as if alone."""
+    reqs = [(p, sampled(i, max_tokens=16)) for i, p in enumerate(PROMPTS)]
+    async with LocalEngine(tiny_model_path, forward=forward) as eng:
+        alone = [await eng.generate(p, sp) for p, sp in reqs]
+        await eng.pause()
+        long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        first = eng.stream(PROMPTS[0], long, request_id="first")
+        streams = [first, *(eng.stream(p, sp) for p, sp in reqs)]
+        pending = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0.05)
+        await eng.resume()
+        await pending[0]  # row 0 has its first token; it leaves while the others decode
+        await eng.pause()
+        await eng.abort("first")
+        await eng.resume()
+        rest = [
+            [await chunk, *[c async for c in s]]
+            for chunk, s in zip(pending[1:], streams[1:], strict=True)
+        ]
+        assert eng.load == 0 and await eng.health()
+    for want, chunks in zip(alone, rest, strict=True):
+        assert [t for c in chunks for t in c.token_ids] == want.output_ids
+        got = [x for c in chunks for x in c.logprobs]
+        torch.testing.assert_close(got, want.output_logprobs, atol=1e-4, rtol=0)
+
+
 # --------------------------------------------------------------------- failure isolation
 
 
@@ -191,13 +220,13 @@ async def test_a_non_finite_row_ends_only_its_request(untied_path, forward):
 
 async def test_an_overflowing_temperature_ends_only_its_request(untied_path):
     async with LocalEngine(untied_path) as eng:
-        with pytest.raises(ValueError, match="temperature"):  # visible up front: refused
-            eng.stream(PROMPTS[0], SamplingParams(temperature=1e-40))
-        # Logits ~1e3 (a scaled LM head) over a temperature that is a normal float32: inf.
-        head = eng._weights["lm_head.weight"] * 1e4
+        # Finite logits ~1e35 (a scaled LM head) over the smallest non-greedy temperature: inf.
+        head = eng._weights["lm_head.weight"] * 1e36
         await eng.update_weights({"lm_head.weight": head}, version=1)
         alone = [await eng.generate(p, sp) for p, sp in BYSTANDERS]
-        outs = await run_together(eng, [(PROMPTS[0], sampled(1, temperature=2e-38)), *BYSTANDERS])
+        outs = await run_together(
+            eng, [(PROMPTS[0], sampled(1, temperature=2 * MIN_TEMPERATURE)), *BYSTANDERS]
+        )
         assert isinstance(outs[0], ValueError) and "temperature" in str(outs[0])
         for got, want in zip(outs[1:], alone, strict=True):
             assert got.output_ids == want.output_ids
@@ -244,24 +273,3 @@ async def test_lean_forward_in_half_precision(tiny_model_path, dtype):
     ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
     ref = ref.gather(-1, torch.tensor(out.output_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=2e-2, rtol=0)
-
-
-@pytest.mark.slow
-async def test_smollm2_bystanders_unharmed_by_an_overflowing_temperature(smollm2_path):
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )
-        for q in ("What is 2+2?", "Name a colour.", "Say hello.")
-    ]
-    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
-    bystanders = [(prompts[1], GREEDY), (prompts[2], sampled(3, temperature=0.7, top_k=40))]
-    async with LocalEngine(smollm2_path) as eng:
-        alone = [await eng.generate(p, sp) for p, sp in bystanders]
-        bad = (prompts[0], sampled(1, temperature=2e-38))  # a normal float32; logits/T = inf
-        outs = await run_together(eng, [bad, *bystanders])
-    assert isinstance(outs[0], ValueError) and "temperature" in str(outs[0])
-    for got, want in zip(outs[1:], alone, strict=True):
-        assert got.output_ids == want.output_ids
-        torch.testing.assert_close(got.output_logprobs, want.output_logprobs, atol=1e-4, rtol=0)

@@ -38,8 +38,8 @@ Semantics worth knowing:
 - Failure isolation: a row whose distribution is not finite ends its own request, alone, with
   a `ValueError` when its temperature made finite logits overflow (the gateway's 400) or an
   `EngineError` when the model's logits themselves are NaN/inf; the other rows go on unharmed
-  (padding never mixes rows; the failed row's cache is zeroed). Positive temperatures below
-  float32's smallest normal number are refused up front (`ValueError` from `stream`).
+  (padding never mixes rows; the failed row's cache is zeroed). Temperatures below
+  `base.MIN_TEMPERATURE` are greedy (`SamplingParams`), so only absurd logits (~1e33) overflow.
 - Stop strings are searched in the decoded output; the token completing the match is kept.
 - `update_weights` is applied by the engine thread between steps (all tensors or none, shapes
   checked before anything is queued), one `copy_` per tensor into the live weights (with the
@@ -90,8 +90,6 @@ PREFILL_TOKEN_BUDGET = 8192
 """Padded prompt tokens prefilled in one forward; bounds activation memory when many join."""
 SCORE_LOGITS_BUDGET = 128 * 2**20
 """Logit elements (batch x kept positions x vocab) per scoring forward."""
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
-"""Smaller positive temperatures are refused up front (logits / T is inf or NaN in fp32)."""
 NUCLEUS_CANDIDATES = 256
 """top-p looks for its nucleus among this many most likely tokens first; rows whose nucleus is
 larger are fully sorted."""
@@ -239,11 +237,6 @@ class LocalEngine:
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                 f"= {total} exceeds the context limit of {self._max_context} tokens; lower "
                 "max_tokens or shorten the prompt"
-            )
-        if 0 < params.temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature: {params.temperature!r} is below float32's smallest normal number "
-                f"({MIN_TEMPERATURE:.3g}), so the scaled logits overflow; use 0 for greedy"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: {self.model_path} has no tokenizer to match stop strings")
@@ -396,21 +389,23 @@ class LocalEngine:
 
     def _loop(self) -> None:
         torch.set_num_threads(self._num_threads)  # OpenMP settings are per thread
-        while not self._stop:
-            busy = not self._paused and bool(self._waiting or self._rows)
-            self._run_commands(block=not busy)
-            if self._score_jobs:
-                self._run_scores()
-            if self._stop or self._paused:
-                continue
-            try:
-                with torch.inference_mode():
+        # Commands change the cache in place too (an abort moves rows into holes), and the cache
+        # is an inference tensor: everything on this thread runs in inference mode.
+        with torch.inference_mode():
+            while not self._stop:
+                busy = not self._paused and bool(self._waiting or self._rows)
+                self._run_commands(block=not busy)
+                if self._score_jobs:
+                    self._run_scores()
+                if self._stop or self._paused:
+                    continue
+                try:
                     self._admit()
                     if self._rows:
                         self._decode()
-            except Exception as exc:  # a broken batch fails its requests, never the loop
-                self._fail(self._rows, exc)
-                self._reset_batch()
+                except Exception as exc:  # a broken batch fails its requests, never the loop
+                    self._fail(self._rows, exc)
+                    self._reset_batch()
         self._fail(self._rows + list(self._waiting), EngineError("the local engine was closed"))
 
     def _run_commands(self, block: bool) -> None:
@@ -604,12 +599,11 @@ class LocalEngine:
         self._paused = False
 
     def _swap_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        with torch.no_grad():
-            for name, tensor in state.items():
-                live = self._weights[name]
-                if live.dim() == 2 and live.stride(0) < live.stride(1):  # a transposed buffer
-                    live, tensor = live.t(), tensor.t()  # write in the buffer's order: ~3x faster
-                live.copy_(tensor)
+        for name, tensor in state.items():
+            live = self._weights[name]
+            if live.dim() == 2 and live.stride(0) < live.stride(1):  # a transposed buffer
+                live, tensor = live.t(), tensor.t()  # write in the buffer's order: ~3x faster
+            live.copy_(tensor)
         self._version = version
         self._retract_all()  # recompute running requests' cache with the new weights
 
@@ -651,8 +645,7 @@ class LocalEngine:
             reply(results[j], failed.get(j))
 
     def _score_group(self, group: list[tuple], results: list[list[Any]]) -> None:
-        with torch.inference_mode():
-            scores = self._runner.score([seq for seq, *_ in group], [b for _, b, _, _ in group])
+        scores = self._runner.score([seq for seq, *_ in group], [b for _, b, _, _ in group])
         for (_, _, j, k), score in zip(group, scores, strict=True):
             results[j][k] = score
 
