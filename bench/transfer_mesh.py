@@ -4,7 +4,7 @@
         [receivers=[1,3]] [routes=[in_process,shm,broadcast,disk]] [repeats=3]
 
 Prints, in one run:
-1. memcpy bandwidth: one core copying a 1 GB buffer into another (`memcpy_gb_per_s`), the
+1. memcpy bandwidth: one core copying a 1 GB buffer into another (`memcpy_gb_per_s`, gateway/machine.py's probe), the
    physical limit of a same-host copy and of each receiver's final copy into its weights;
 2. per route, per state dict size (100 MB and 1 GB of fp32 tensors shaped like an LLM's) and
    receiver count (1 and 3): push seconds and GB/s (bytes x receivers / seconds), the fraction
@@ -38,6 +38,7 @@ from typing import Any
 import ray
 import torch
 
+from gateway import machine
 from gateway.config import parse_cli
 from gateway.engines import EngineConfig
 from gateway.engines.base import SamplingParams
@@ -66,22 +67,15 @@ class BenchConfig:
     """Pushes during the generation of the stall measurement."""
 
 
-def memcpy_gb_per_s(nbytes: int = 10**9, repeats: int = 5) -> float:
-    """One core copying `nbytes` between two buffers already touched: the best of `repeats`.
-    (gateway/machine.py will own this probe; the bench switches to it when that lands.)"""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
+def memcpy_gb_per_s(nbytes: int = 10**9) -> float:
+    """One core copying `nbytes` between two buffers: gateway/machine.py's probe, on one thread
+    (each receiver copies its weights on one)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - start)
+        return machine.measure_memcpy(nbytes=nbytes)
     finally:
         torch.set_num_threads(threads)
-    return nbytes / best / 1e9
 
 
 def llm_like_state(total_mb: int) -> dict[str, torch.Tensor]:
