@@ -4,8 +4,8 @@
         [receivers=[1,3]] [routes=[in_process,shm,broadcast,disk]] [repeats=3]
 
 Prints, in one run:
-1. memcpy bandwidth: one core copying a 1 GB buffer into another (`memcpy_gb_per_s`, gateway/machine.py's probe), the
-   physical limit of a same-host copy and of each receiver's final copy into its weights;
+1. memcpy bandwidth: one core copying a 1 GB buffer into another (`memcpy_gb_per_s`, the probe
+   of gateway/machine.py), the physical limit of a same-host copy and of each receiver's final copy into its weights;
 2. per route, per state dict size (100 MB and 1 GB of fp32 tensors shaped like an LLM's) and
    receiver count (1 and 3): push seconds and GB/s (bytes x receivers / seconds), the fraction
    of memcpy, and for 3 receivers the aggregate's gain over 1 receiver. Receivers are "sink"
