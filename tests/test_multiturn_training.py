@@ -10,7 +10,9 @@ train samples the controller would build (`train_samples`), and then:
 - the trainer's log-prob of every trained token equals the engine's within 1e-4 at fp32;
 - a train step on them reports a fresh-token gap (`mismatch/logprob_abs_diff`) below 1e-5.
 
-The fast test uses the tiny model and user turns; the slow one SmolLM2 and real tool calls.
+The fast test uses the tiny model and user turns, sampled at temperature 0.7 (a trainer or an
+engine that divides by the wrong temperature fails it); the slow one SmolLM2 and real tool
+calls (greedy: the engine reports temperature-1 log-probs then, as the trainer computes them).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from trainer.buffer import Batch, Group, token_staleness
 from trainer.config import load
 
 MODEL = "m"
+TEMPERATURE = 0.7
 
 
 async def chat(c: httpx.AsyncClient, messages: list[dict], **kw) -> dict:
@@ -100,7 +103,8 @@ async def test_multi_turn_and_forked_sessions_train_on_exactly_the_sampled_token
     trajectories = []
     try:
         for i in range(4):
-            sid, key = gw.create_session()
+            # forced as a training session forces it; the trainer divides by the same
+            sid, key = gw.create_session(sampling={"temperature": TEMPERATURE})
             transport = httpx.ASGITransport(app=gw.app)
             headers = {"Authorization": f"Bearer {key}"}
             async with httpx.AsyncClient(transport=transport, base_url="http://gw",
@@ -112,7 +116,7 @@ async def test_multi_turn_and_forked_sessions_train_on_exactly_the_sampled_token
         await gw.aclose()
     assert [len(t.segments) for t in trajectories] == [1, 2, 1, 2]
     cfg = load(["recipe=tiny"])
-    backend = TorchBackend(tiny_model_path, cfg.train, cfg.algorithm, temperature=1.0)
+    backend = TorchBackend(tiny_model_path, cfg.train, cfg.algorithm, temperature=TEMPERATURE)
     samples, _ = train_and_compare(backend, trajectories, rec.records, per_group=2)
     assert len(samples) == 6
 
@@ -134,18 +138,17 @@ ADD = {
 
 
 async def tool_session(c: httpx.AsyncClient, question: str, drop_a_reply: bool) -> None:
-    """Forced tool call, its result, a second forced call, its result, a free answer. With
-    `drop_a_reply`, the agent then drops the free answer and asks again (a second segment)."""
+    """A forced tool call, its result, a free answer. With `drop_a_reply`, the agent then drops
+    the free answer and asks again (a second segment)."""
     messages = [{"role": "user", "content": question}]
     forced = {"type": "function", "function": {"name": "add"}}
     kw = {"tools": [ADD], "max_tokens": 40, "temperature": 0}
-    for _ in range(2):
-        msg = await chat(c, messages, tool_choice=forced, **kw)
-        (call,) = msg["tool_calls"]
-        args = json.loads(call["function"]["arguments"])
-        total = sum(v for v in args.values() if isinstance(v, int))
-        messages += [{"role": "assistant", "content": msg["content"], "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": call["id"], "content": str(total)}]  # fmt: skip
+    msg = await chat(c, messages, tool_choice=forced, **kw)
+    (call,) = msg["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    total = sum(v for v in args.values() if isinstance(v, int))
+    messages += [{"role": "assistant", "content": msg["content"], "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": str(total)}]  # fmt: skip
     await chat(c, messages, **kw)
     if drop_a_reply:
         await chat(c, messages + [{"role": "user", "content": "Answer in one word."}], **kw)

@@ -273,7 +273,7 @@ async def chat_tools(c, stream: bool) -> None:
     forced = {"type": "function", "function": {"name": "add"}}
     kw = {"model": MODEL, "tools": [{"type": "function", "function": ADD}], "max_tokens": 40,
           "temperature": 0}  # fmt: skip
-    for choice in (forced, forced, "auto"):
+    for choice in (forced, "auto"):
         r = await post(c, "/v1/chat/completions",
                        {**kw, "messages": msgs, "tool_choice": choice, "stream": stream})  # fmt: skip
         if choice == "auto":
@@ -297,7 +297,7 @@ async def responses_tools(c, stream: bool) -> None:
     items: list[dict] = [{"role": "user", "content": QUESTION}]
     body = {"model": MODEL, "tools": [{"type": "function", **ADD}], "max_output_tokens": 40,
             "temperature": 0, "stream": stream}  # fmt: skip
-    for choice in ({"type": "function", "name": "add"},) * 2 + ("auto",):
+    for choice in ({"type": "function", "name": "add"}, "auto"):
         r = await post(c, "/v1/responses", {**body, "input": items, "tool_choice": choice})
         out = sse(r.text)[-1]["response"]["output"] if stream else r.json()["output"]
         fc = next((o for o in out if o["type"] == "function_call"), None)
@@ -311,7 +311,7 @@ async def messages_tools(c, stream: bool) -> None:
     messages = [{"role": "user", "content": QUESTION}]
     body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "stream": stream,
             "tools": [{"name": "add", "input_schema": ADD["parameters"]}]}  # fmt: skip
-    for choice in ({"type": "tool", "name": "add"},) * 2 + ({"type": "auto"},):
+    for choice in ({"type": "tool", "name": "add"}, {"type": "auto"}):
         r = await post(c, "/v1/messages", {**body, "messages": messages, "tool_choice": choice})
         if choice["type"] == "auto":
             return
@@ -343,9 +343,9 @@ def smol(smollm2_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 async def test_smollm2_tool_sessions_match_the_engine(smol, stream):
-    """Two forced tool calls, their results, then a free reply, on chat, responses and
-    messages: one segment each, whose trained tokens are the engine's three outputs and whose
-    tool results and template tokens are never trained."""
+    """A forced tool call, its result, then a free reply, on chat, responses and messages: one
+    segment each, whose trained tokens are the engine's two outputs and whose tool result and
+    template tokens are never trained."""
     engine, renderer, path = smol
     gw, rec = gateway(engine, renderer, path)
     try:
@@ -354,11 +354,11 @@ async def test_smollm2_tool_sessions_match_the_engine(smol, stream):
             async with http(gw, key) as c:
                 await run(c, stream)
             traj = await gw.close_session(sid)
-            assert [t.finish_reason for t in traj.turns][:2] == ["tool_calls"] * 2, run.__name__
-            check_session(traj, rec, sid, 3)
+            assert traj.turns[0].finish_reason == "tool_calls", run.__name__
+            check_session(traj, rec, sid, 2)
             (seg,) = traj.segments
             untrained = renderer.decode([t for t, m in zip(seg.token_ids, seg.loss_mask,
                                                            strict=True) if not m])  # fmt: skip
-            assert untrained.count("42") >= 2  # the tool results went in, unmasked
+            assert "<tool_response>" in untrained  # the tool result went in, untrained
     finally:
         await gw.aclose()
