@@ -99,6 +99,13 @@ MUTANTS = [
         "temps = torch.tensor([1.0 for r in reqs])",
         (TRAINING,),
     ),
+    Mutant(
+        "stale_tokens_in_the_numerical_gap",
+        "trainer/algorithms.py",
+        "fresh = m & (lag == 0)",
+        "fresh = m",
+        ("tests/test_loss.py", "tests/test_trainer_backend.py"),
+    ),
 ]
 
 
