@@ -97,20 +97,8 @@ def check_trajectory(traj: Trajectory, records: list[Record]) -> list[Record]:
     return the records they use, in segment order."""
     used: list[Record] = []
     for s, seg in enumerate(traj.segments):
-        check_sequence(seg.token_ids, seg.loss_mask, seg.logprobs, records, used, f"segment {s}")
-        assert len(seg.versions) == len(seg.token_ids), f"segment {s}"
-    spans = iter(used)
-    for s, seg in enumerate(traj.segments):
-        i = 0
-        while i < len(seg.token_ids):
-            if not seg.loss_mask[i]:
-                assert seg.versions[i] == -1, f"segment {s}: a version on an untrained token"
-                i += 1
-                continue
-            r = next(spans)
-            end = i + len(r.output_ids)
-            assert seg.versions[i:end] == r.versions, f"segment {s}: versions at {i}"
-            i = end
+        check_sequence(seg.token_ids, seg.loss_mask, seg.logprobs, records, used, f"segment {s}",
+                       versions=seg.versions)  # fmt: skip
     return used
 
 
@@ -121,13 +109,18 @@ def check_sequence(
     records: list[Record],
     used: list[Record],
     where: str = "sequence",
+    versions: list[int] | None = None,
 ) -> None:
-    """Check one training sequence against the records (appending those it uses to `used`)."""
+    """Check one training sequence (and its per-token `versions`, when given: the engine's on
+    trained tokens, -1 elsewhere) against the records; append the records it uses to `used`."""
     assert len(ids) == len(mask) == len(logprobs), f"{where}: lengths differ"
+    if versions is not None:
+        assert len(versions) == len(ids), f"{where}: versions differ in length"
     last: Record | None = None
     i = 0
     while i < len(ids):
         if not mask[i]:
+            assert versions is None or versions[i] == -1, f"{where}: version on untrained {i}"
             i += 1
             continue
         match = next(
@@ -145,6 +138,7 @@ def check_sequence(
         end = i + len(match.output_ids)
         assert all(mask[i:end]), f"{where}: part of an engine output at {i} is not trained"
         assert logprobs[i:end] == match.logprobs, f"{where}: logprobs at {i}"
+        assert versions is None or versions[i:end] == match.versions, f"{where}: versions at {i}"
         used.append(match)
         last, i = match, end
     assert last is not None, f"{where} has no trained token"
