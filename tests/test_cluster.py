@@ -145,8 +145,9 @@ def test_megatron_tp2_on_one_node_engine_on_the_other(two_nodes, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
-    for row in steps:  # trainer (TP 2, gloo) and engine agree on the sampled tokens' log-probs
-        assert row["mismatch/logprob_abs_diff"] < 1e-3
+    for row in steps:  # trainer (TP 2, gloo) and engine agree on the fresh tokens' log-probs
+        if row["mismatch/tokens"]:
+            assert row["mismatch/logprob_abs_diff"] < 1e-3
         # TransferMesh streamed the TP-gathered HF tensors and the engine serves the new version
         assert row["weights/broadcast/gb_per_s"] > 0 and row["weights/failed"] == 0
         assert row["weights/version/engine0"] == row["step"]

@@ -56,6 +56,30 @@ def test_ppo_clip_values_and_gradient():
     assert out.num_tokens == 3
 
 
+def test_the_gap_is_split_into_fresh_mismatch_and_stale_drift():
+    # IS log-ratios p - b: 0.1 on the fresh token, log4 at lag 1, -log4 and 0 at lag 2
+    cfg = AlgorithmConfig(importance_sampling="none", is_threshold=2.0)
+    zeros = torch.zeros(1, 5)
+    behaviour = t([-0.1, -LOG4, LOG4, 0.0, 0.0])
+    mask = t([1, 1, 1, 1, 0])
+    lag = torch.tensor([[0, 1, 2, 2, 5]])  # the last token is not trained: never counted
+    m = policy_loss(cfg, zeros.clone(), zeros, behaviour, torch.ones(1, 5), mask, lag=lag).metrics
+    assert m["mismatch/tokens"] == 1 and m["off_policy/tokens"] == 3
+    assert m["mismatch/logprob_abs_diff"] == pytest.approx(0.1)
+    assert m["mismatch/ratio_max"] == m["mismatch/ratio_min"] == pytest.approx(math.exp(0.1))
+    assert m["mismatch/clip_frac"] == 0.0
+    assert m["off_policy/logprob_abs_diff"] == pytest.approx(2 * LOG4 / 3)
+    assert m["off_policy/ratio_max"] == pytest.approx(4.0)
+    assert m["off_policy/ratio_min"] == pytest.approx(0.25)
+    assert m["off_policy/clip_frac"] == pytest.approx(2 / 3)
+    assert m["off_policy/lag1/logprob_abs_diff"] == pytest.approx(LOG4)
+    assert m["off_policy/lag2/logprob_abs_diff"] == pytest.approx(LOG4 / 2)
+    assert m["off_policy/lag2/tokens"] == 2 and "off_policy/lag5/tokens" not in m
+    # all stale: no numerical gap to report, only its (zero) token count
+    m = policy_loss(cfg, zeros.clone(), zeros, behaviour, torch.ones(1, 5), mask, lag=lag + 1)
+    assert m.metrics["mismatch/tokens"] == 0 and "mismatch/logprob_abs_diff" not in m.metrics
+
+
 @pytest.mark.parametrize(
     ("mode", "expected_loss", "expected_clip_frac"),
     [
@@ -134,10 +158,21 @@ def test_micro_batches_add_up_to_the_whole(aggregation):
     adv = torch.randn(4, 1, generator=g).expand(4, 5)
     mask = (torch.rand(4, 5, generator=g) > 0.3).float()
     mask[:, 0] = 1
-    whole = policy_loss(cfg, cur, prox, beh, adv, mask)
+    lag = torch.randint(0, 3, (4, 5), generator=g)
+    whole = policy_loss(cfg, cur, prox, beh, adv, mask, lag=lag)
     n_tok, n_seq = mask.sum().item(), 4
     parts = [
-        policy_loss(cfg, cur[s], prox[s], beh[s], adv[s], mask[s], num_tokens=n_tok, num_seqs=n_seq)
+        policy_loss(
+            cfg,
+            cur[s],
+            prox[s],
+            beh[s],
+            adv[s],
+            mask[s],
+            lag=lag[s],
+            num_tokens=n_tok,
+            num_seqs=n_seq,
+        )  # fmt: skip
         for s in (slice(0, 1), slice(1, 4))
     ]
     assert sum(p.loss for p in parts).item() == pytest.approx(whole.loss.item(), abs=1e-6)
@@ -148,5 +183,12 @@ def test_micro_batches_add_up_to_the_whole(aggregation):
         "mismatch/ratio_max",
         "mismatch/ratio_min",
         "mismatch/clip_frac",
+        "mismatch/tokens",
+        "off_policy/logprob_abs_diff",
+        "off_policy/k3_kl",
+        "off_policy/clip_frac",
+        "off_policy/tokens",
+        "off_policy/lag2/logprob_abs_diff",
+        "off_policy/lag2/tokens",
     ):
-        assert merged[key] == pytest.approx(whole.metrics[key], rel=1e-5)
+        assert merged[key] == pytest.approx(whole.metrics[key], rel=1e-5), key

@@ -99,6 +99,24 @@ def test_first_step_sees_no_mismatch_on_policy_and_a_gap_off_policy(tiny_model_p
     assert m["mismatch/logprob_abs_diff"] > 0.5 and m["mismatch/ratio_min"] < 0.1
 
 
+def test_stale_tokens_report_drift_apart_from_the_numerical_gap(tiny_model_path):
+    """Tokens sampled with the weights being trained measure the numerical gap; those sampled
+    a version earlier measure a step of policy drift, and are reported as such."""
+    backend = make(tiny_model_path, lr=1e-2)
+    old = on_policy(backend, BATCH)  # behaviour = version 0's own log-probs
+    for s in old:
+        s.versions = [0 if m else -1 for m in s.loss_mask]
+    backend.train_step(old)
+    fresh = on_policy(backend, BATCH)  # version 1's log-probs, at version 1
+    for s in fresh:
+        s.versions = [1 if m else -1 for m in s.loss_mask]
+    m = backend.train_step(old + fresh)
+    assert m["mismatch/tokens"] == m["off_policy/tokens"] == sum(sum(s.loss_mask) for s in old)
+    assert m["mismatch/logprob_abs_diff"] < 1e-5  # fp32: no numerical gap
+    assert m["off_policy/logprob_abs_diff"] > 1e-3  # one step of drift
+    assert m["off_policy/lag1/logprob_abs_diff"] == m["off_policy/logprob_abs_diff"]
+
+
 def test_micro_batching_does_not_change_the_step(tiny_model_path):
     a, b = (
         make(tiny_model_path, micro_batch_tokens=8),

@@ -21,7 +21,9 @@ def test_async_bench_smoke(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["max_staleness"] for r in results] == [0, 1, 2]
     assert results[0]["staleness_max"] == 0
-    assert all(r["tokens_per_s"] > 0 and r["staleness_max"] <= r["max_staleness"] for r in results)
+    assert all(
+        r["trained_tokens_per_s"] > 0 and r["staleness_max"] <= r["max_staleness"] for r in results
+    )
     assert "vs sync" in proc.stdout
 
 

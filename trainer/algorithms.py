@@ -14,6 +14,15 @@ exp(p - b) (different kernels, precision, stale weights) is corrected by importa
 `tis` truncates it at C, `mis` masks tokens whose ratio is outside [1/C, C], `none` ignores it.
 Optional terms: k3 KL to a reference model and an entropy bonus.
 
+The gap p - b is reported in two parts that mean different things. `mismatch/*` is measured on
+fresh tokens only, sampled with the very weights being trained: there p and b are the same
+policy, and any gap is numerical (kernels, precision, a bug) — ~1e-6 with both sides in fp32.
+`off_policy/*` is measured on stale tokens (sampled with weights 1..max_staleness versions
+older): there the gap is policy drift, expected and corrected by the importance weights, with
+`off_policy/lag{k}/logprob_abs_diff` per staleness k. Mixed, one step of drift (~0.1) would
+hide a numerical bug of the same size. Each part has `tokens`, its token count; a step with no
+fresh (or no stale) tokens reports only that count, 0.
+
 Backends call `policy_loss` once per micro-batch with the normalizers of the whole minibatch,
 so summing the micro-batch losses gives the minibatch loss; `reduce_metrics` merges the
 micro-batch metrics (token-weighted means, max of maxes, min of mins).
@@ -59,6 +68,24 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def _gap(prefix: str, log_ratio: torch.Tensor, corrected: torch.Tensor, sel: torch.Tensor):
+    """Trainer-vs-engine log-prob gap over the tokens `sel`: `{prefix}/logprob_abs_diff`,
+    `k3_kl`, `ratio_max`/`ratio_min` (of exp(proximal - behaviour)), `clip_frac` (the share the
+    importance correction truncated or masked) and `tokens`; only `tokens` when `sel` is empty."""
+    n = int(sel.sum().item())
+    if not n:
+        return {f"{prefix}/tokens": 0.0}
+    x = log_ratio[sel]
+    return {
+        f"{prefix}/logprob_abs_diff": x.abs().mean().item(),
+        f"{prefix}/k3_kl": k3(x).mean().item(),
+        f"{prefix}/ratio_max": x.exp().max().item(),
+        f"{prefix}/ratio_min": x.exp().min().item(),
+        f"{prefix}/clip_frac": corrected.float()[sel].mean().item(),
+        f"{prefix}/tokens": float(n),
+    }
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor
@@ -78,6 +105,7 @@ def policy_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    lag: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
 ) -> LossOutput:
@@ -87,6 +115,8 @@ def policy_loss(
     is per token (a sequence's advantage broadcast over its tokens). `num_tokens`/`num_seqs`
     are the minibatch totals the loss is normalized by (default: this call's own), so that
     micro-batch losses add up. A token masked by MIS contributes 0 but stays in the normalizer.
+    `lag` (long, [sequences, tokens]): how many versions each token's sampling weights lag the
+    weights being trained; None: all fresh. It splits the gap metrics (module docstring).
     """
     mask = mask.to(logprobs.dtype)
     n_tok = int(mask.sum().item())
@@ -136,14 +166,19 @@ def policy_loss(
         if n_tok:
             ppo_clipped = (-advantages * clipped > -advantages * ratio) & m
             metrics = {
-                "mismatch/logprob_abs_diff": is_log_ratio.abs()[m].mean().item(),
-                "mismatch/k3_kl": k3(is_log_ratio)[m].mean().item(),
-                "mismatch/ratio_max": is_ratio[m].max().item(),
-                "mismatch/ratio_min": is_ratio[m].min().item(),
-                "mismatch/clip_frac": corrected.float()[m].mean().item(),
                 "train/ppo_clip_frac": ppo_clipped.float()[m].mean().item(),
                 "train/ratio_mean": ratio.detach()[m].mean().item(),
             }
+            lag = torch.zeros_like(mask, dtype=torch.long) if lag is None else lag
+            fresh = m & (lag == 0)
+            metrics |= _gap("mismatch", is_log_ratio, corrected, fresh)
+            metrics |= _gap("off_policy", is_log_ratio, corrected, m & (lag > 0))
+            for k in sorted(set(lag[m & (lag > 0)].tolist())):
+                at_k = m & (lag == k)
+                metrics[f"off_policy/lag{k}/logprob_abs_diff"] = (
+                    is_log_ratio.abs()[at_k].mean().item()
+                )
+                metrics[f"off_policy/lag{k}/tokens"] = float(at_k.sum().item())
             if ref_logprobs is not None:
                 metrics["train/ref_kl"] = (
                     k3(ref_logprobs.detach() - logprobs.detach())[m].mean().item()
@@ -157,18 +192,24 @@ def policy_loss(
 
 def reduce_metrics(outputs: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """Merge per-micro-batch (metrics, num_tokens): keys ending in `_max`/`_min` take the
-    max/min, the others are token-weighted means."""
+    max/min, `tokens` counts add up, the others are means weighted by their group's `tokens`
+    (`mismatch/tokens` for `mismatch/k3_kl`) when the micro-batch reports one, else by
+    num_tokens."""
     merged: dict[str, float] = {}
-    weights: dict[str, int] = {}
+    weights: dict[str, float] = {}
     for metrics, n in outputs:
         for key, value in metrics.items():
+            group = key.rsplit("/", 1)[0]
             if key.endswith("_max"):
                 merged[key] = max(merged.get(key, -math.inf), value)
             elif key.endswith("_min"):
                 merged[key] = min(merged.get(key, math.inf), value)
+            elif key.endswith("/tokens"):
+                merged[key] = merged.get(key, 0.0) + value
             else:
-                merged[key] = merged.get(key, 0.0) + value * n
-                weights[key] = weights.get(key, 0) + n
+                w = metrics.get(f"{group}/tokens", n)
+                merged[key] = merged.get(key, 0.0) + value * w
+                weights[key] = weights.get(key, 0) + w
     for key, w in weights.items():
         merged[key] = merged[key] / w if w else 0.0
     return merged

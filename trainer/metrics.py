@@ -148,23 +148,27 @@ def plot_run(run_dir: Path) -> list[Path]:
     save(fig, "reward.png")
 
     gap = [
-        ("mismatch/logprob_abs_diff", "mean |logp_train - logp_rollout|"),
-        ("mismatch/k3_kl", "k3 KL(rollout || train)"),
-        ("mismatch/clip_frac", "IS ratio truncated/masked fraction"),
+        ("logprob_abs_diff", "mean |logp_train - logp_rollout|"),
+        ("k3_kl", "k3 KL(rollout || train)"),
+        ("clip_frac", "IS ratio truncated/masked fraction"),
     ]
+    parts = [("mismatch", "fresh tokens (numerical)"), ("off_policy", "stale tokens (drift)")]
     fig, axes = plt.subplots(2, 2, figsize=(9, 6))
     for ax, (key, title) in zip(axes.flat, gap, strict=False):
-        ax.plot(*_series(rows, key))
+        for part, label in parts:
+            ax.plot(*_series(rows, f"{part}/{key}"), "o-", markersize=3, label=label)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     ax = axes.flat[3]
-    ax.plot(*_series(rows, "mismatch/ratio_max"), label="max")
-    ax.plot(*_series(rows, "mismatch/ratio_min"), label="min")
+    for part, label in parts:
+        ax.plot(*_series(rows, f"{part}/ratio_max"), label=f"max, {label}")
+        ax.plot(*_series(rows, f"{part}/ratio_min"), label=f"min, {label}")
     ax.set_yscale("log")
     ax.set_title("IS ratio exp(logp_train - logp_rollout)", fontsize=9)
     ax.set_xlabel("step")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.suptitle("Train-inference gap")
     save(fig, "mismatch.png")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -32,6 +32,15 @@ class TrainSample:
     logprobs: list[float]
     """Behaviour log-probs (the engine's), aligned with token_ids; 0.0 where loss_mask is 0."""
     advantage: float
+    versions: list[int] = field(default_factory=list)
+    """Weight version that sampled each token (-1 where loss_mask is 0); empty: all fresh."""
+
+    def lags(self, version: int) -> list[int]:
+        """How many versions behind `version` (the weights being trained) each token was
+        sampled; 0 for fresh and untrained tokens."""
+        if not self.versions:
+            return [0] * len(self.token_ids)
+        return [version - v if v >= 0 else 0 for v in self.versions]
 
 
 def train_samples(batch: Batch, advantages: list[list[float]]) -> list[TrainSample]:
@@ -42,7 +51,9 @@ def train_samples(batch: Batch, advantages: list[list[float]]) -> list[TrainSamp
         for traj, a in zip(group.trajectories, adv, strict=True):
             for seg in traj.segments:
                 if any(seg.loss_mask):
-                    samples.append(TrainSample(seg.token_ids, seg.loss_mask, seg.logprobs, a))
+                    samples.append(
+                        TrainSample(seg.token_ids, seg.loss_mask, seg.logprobs, a, seg.versions)
+                    )
     return samples
 
 
@@ -128,7 +139,8 @@ class TrainBackend(Protocol):
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One step (num_minibatches optimizer steps, one LR-schedule step); returns metrics:
-        `train/*` (loss, grad_norm, lr, ...) and the `mismatch/*` train-inference gap."""
+        `train/*` (loss, grad_norm, lr, ...), the `mismatch/*` train-inference gap on fresh
+        tokens and the `off_policy/*` drift on stale ones (trainer.algorithms)."""
         ...
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:

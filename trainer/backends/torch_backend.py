@@ -336,6 +336,7 @@ class TorchBackend:
                 rows = [samples[i] for i in mb]
                 mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
                 behaviour = self._pad([s.logprobs for s in rows], 0.0, torch.float32)
+                lag = self._pad([s.lags(self._step) for s in rows], 0, torch.long)
                 adv = torch.tensor([s.advantage for s in rows], device=self.device)
                 adv = adv[:, None].expand_as(mask)
                 with self._autocast():
@@ -364,6 +365,7 @@ class TorchBackend:
                         else None
                     ),
                     entropy=entropy,
+                    lag=lag,
                     num_tokens=max(num_tokens, 1),
                     num_seqs=max(num_seqs, 1),
                 )

@@ -97,6 +97,8 @@ class _MicroBatch:
     mask: torch.Tensor
     behaviour: torch.Tensor
     advantages: torch.Tensor
+    lag: torch.Tensor
+    """[B, T] versions each token lags the weights being trained (0: fresh)."""
     proximal: torch.Tensor | None = None
     ref: torch.Tensor | None = None
 
@@ -375,6 +377,7 @@ class MegatronBackend:
                 mask=mask,
                 behaviour=pad_rows([s.logprobs for s in rows], 0.0, torch.float32),
                 advantages=adv.contiguous(),
+                lag=pad_rows([s.lags(self._step) for s in rows], 0, torch.long),
             )
             out.append(self._to_device(batch))
         return out
@@ -561,6 +564,7 @@ class MegatronBackend:
                 batch.mask,
                 ref_logprobs=batch.ref,
                 entropy=entropy,
+                lag=batch.lag,
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
             )
