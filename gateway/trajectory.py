@@ -62,6 +62,9 @@ class Segment:
     """Behaviour log-probs on sampled tokens, 0.0 elsewhere."""
     versions: list[int] = field(default_factory=list)
     """Weight version on sampled tokens, -1 elsewhere."""
+    teacher_logprobs: list[float] | None = None
+    """A teacher's log-probs of the sampled tokens (0.0 elsewhere), when the trainer's Teacher
+    Manager scored the segment for on-policy distillation; the gateway leaves it None."""
 
     def extend(self, prompt_ids: list[int], turn: Turn) -> None:
         new_prompt = prompt_ids[len(self.token_ids) :]

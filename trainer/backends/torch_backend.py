@@ -220,8 +220,7 @@ class TorchBackend:
                 ids, attn = self._inputs(rows)
                 mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
                 behaviour = self._pad([s.logprobs for s in rows], 0.0, torch.float32)
-                adv = torch.tensor([s.advantage for s in rows], device=self.device)
-                adv = adv[:, None].expand_as(mask)
+                adv = self._pad([s.token_advantages() for s in rows], 0.0, torch.float32)
                 with self._autocast():
                     logp, entropy = token_logprobs(
                         self.model,
