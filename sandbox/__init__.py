@@ -12,8 +12,10 @@ from sandbox.base import (
     Sandbox,
     SandboxConfig,
     SandboxError,
+    Stopper,
     open_sandbox,
     run_once,
+    stop_all,
     unavailable,
 )
 
@@ -23,7 +25,9 @@ __all__ = [
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
+    "Stopper",
     "open_sandbox",
     "run_once",
+    "stop_all",
     "unavailable",
 ]

@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
@@ -177,6 +178,7 @@ def run_once(
     env: dict[str, str] | None = None,
     collect: list[str] = (),
     timeout_s: float | None = None,
+    stopper: Stopper | None = None,
 ) -> tuple[RunResult, dict[str, bytes]]:
     """One rollout of a black-box agent: a fresh sandbox, `files` in, `cmd`, `collect` out.
 
@@ -184,10 +186,13 @@ def run_once(
     `status="error"` result (a bad rollout is data), with no files. Per-rollout settings go in
     `env` (e.g. the session's `OPENAI_API_KEY`) or in a copy of `cfg`
     (`dataclasses.replace(cfg, gateway_path=f"/sessions/{sid}/v1")`). Blocking; from async code
-    call it with `asyncio.to_thread`.
+    call it with `asyncio.to_thread`; `stopper.stop()`, from any thread, ends it early (an
+    `error` result "stopped"), e.g. when the caller's task is cancelled.
     """
     try:
         with open_sandbox(cfg) as sb:
+            if stopper is not None and not stopper.attach(sb):
+                return RunResult("error", None, "sandbox: stopped", 0.0, "", ""), {}
             if files:
                 sb.put_files(files)
             result = sb.run(cmd, timeout_s=timeout_s, env=env)
@@ -196,13 +201,39 @@ def run_once(
         return RunResult("error", None, f"sandbox: {e}", 0.0, "", ""), {}
 
 
-# Sandboxes still open when the interpreter exits (an exception escaped a thread, sys.exit in a
-# worker, ...) are stopped by atexit, so no container or process outlives the controller.
+class Stopper:
+    """Stops a `run_once` in progress from another thread: its sandbox is stopped (its `run`
+    returns at once), or, when `stop` comes first, the command never starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sandbox: Sandbox | None = None
+        self.stopped = False
+
+    def attach(self, sb: Sandbox) -> bool:
+        """Called by run_once once `sb` is open; False when already stopped."""
+        with self._lock:
+            self._sandbox = sb
+            return not self.stopped
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            sb = self._sandbox
+        if sb is not None:
+            sb.stop()
+
+
 _live: set = set()
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every sandbox open in this process; their blocked `run` calls return at once.
+
+    A run that is shutting down calls it so that the threads running sandboxes are not waited
+    for until their agents time out; atexit calls it too, so no container or process outlives
+    the controller (an exception escaped a thread, sys.exit in a worker, ...)."""
     for sb in list(_live):
         with contextlib.suppress(Exception):
             sb.stop()

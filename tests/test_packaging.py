@@ -26,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["gateway", "envs", "trainer", "sandbox"]
 OPTIONAL = {
     "reasoning_gym": ("rgym", "envs/rgym.py: the reasoning-gym env family"),
+    "megatron": ("megatron", "trainer/backends/megatron: only train.kind=megatron, which says so"),
+    "transformer_engine": (
+        None,
+        "trainer/backends/megatron/model.py: GPU fused layers when present",
+    ),
     "wandb": (None, "trainer/metrics.py: only with logging.wandb=true, which says to install it"),
 }
 """Imported by some module but not needed by the main job: its extra (if any), where and why."""

@@ -14,11 +14,21 @@ import shutil
 import threading
 import time
 
+import httpx
 import pytest
 import torch
+import yaml
+from fake_sglang import serve_fake, step, token_logprob
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from gateway.engines import EngineConfig
 from gateway.trajectory import Trajectory, Turn
+from trainer.algorithms import add_distill_advantages, trajectory_advantages
+from trainer.backends.base import TrainSample
+from trainer.config import RECIPE_DIR, load
+from trainer.controller import StopRun
+from trainer.metrics import read_metrics
+from trainer.run import train
 from trainer.teachers.config import DistillConfig, TeacherConfig, parse_bytes
 from trainer.teachers.manager import TeacherError, TeacherManager, check_not_uniform
 from trainer.teachers.residency import weight_bytes
@@ -290,3 +300,135 @@ def test_bytes_and_config_errors(teachers):
     cfg, paths = distill(teachers[:1], memory_budget="1MB")
     with pytest.raises(TeacherError, match="teacher 't0' needs 12879104 bytes, more than"):
         TeacherManager(cfg, paths)
+
+
+def sglang_distill(urls: list[str], budget: str) -> tuple[DistillConfig, dict]:
+    """One SGLang teacher per fake server, each said to hold 1 GB."""
+    teachers = {
+        f"s{i}": TeacherConfig(
+            model="fake/tiny-random",
+            engine=EngineConfig(kind="sglang", urls=[url]),
+            memory_bytes="1GB",
+        )
+        for i, url in enumerate(urls)
+    }
+    route = {f"env{i}": f"s{i}" for i in range(len(urls))}
+    cfg = DistillConfig(teachers=teachers, route=route, memory_budget=budget, linger_s=0)
+    return cfg, dict.fromkeys(teachers)
+
+
+def fake_logprobs(ids: list[int]) -> list[float]:
+    """The fake server's model: log p(ids[i] | ids[:i]) for i >= 1."""
+    out, h = [0.0], step(0, ids[0])
+    for t in ids[1:]:
+        out.append(token_logprob(h, t))
+        h = step(h, t)
+    return out
+
+
+def holding_weights(urls: list[str]) -> list[str]:
+    """The servers whose weights are not released, as they report it."""
+    infos = [httpx.get(url + "/get_server_info").json() for url in urls]
+    return [u for u, i in zip(urls, infos, strict=True) if "weights" not in i["released_memory"]]
+
+
+@pytest.fixture
+def two_servers():
+    with (
+        serve_fake("--enable-weights-cpu-backup") as a,
+        serve_fake("--enable-weights-cpu-backup") as b,
+    ):
+        yield [a, b]
+
+
+async def test_sglang_teachers_release_and_resume_within_the_budget(two_servers):
+    cfg, paths = sglang_distill(two_servers, budget="1.5GB")  # one of the two fits
+    rng = random.Random(9)
+    async with TeacherManager(cfg, paths) as manager:
+        for i in [0, 1, 1, 0, 1]:
+            traj = trajectory(rng, f"env{i}", turns=2)
+            await manager.score(traj)
+            assert holding_weights(two_servers) == [two_servers[i]]  # the other one released
+            for seg in traj.segments:
+                want = fake_logprobs(seg.token_ids)
+                for got, lp, m in zip(seg.teacher_logprobs, want, seg.loss_mask, strict=True):
+                    assert got == (pytest.approx(lp, abs=1e-9) if m else 0.0)
+        metrics = manager.metrics()
+    assert metrics["teachers/swaps"] == 2  # s1 -> s0 -> s1, after each one's first load
+    assert metrics["teachers/resident_bytes_max"] == 10**9
+    assert holding_weights(two_servers) == two_servers  # left as found: memory resumed
+
+
+async def test_an_sglang_teacher_resumed_without_weight_backup_is_an_error():
+    with serve_fake() as a, serve_fake() as b:  # no --enable-weights-cpu-backup
+        cfg, paths = sglang_distill([a, b], budget="1.5GB")
+        async with TeacherManager(cfg, paths) as manager:
+            with pytest.raises(TeacherError, match=r"teacher 's0' returns uniform logprobs"):
+                await manager.score(trajectory(random.Random(10), "env0"))
+
+
+def test_the_reverse_kl_advantage_equals_a_hand_computation():
+    sample = TrainSample(
+        token_ids=[1, 2, 3, 4, 5],
+        loss_mask=[0, 0, 1, 1, 1],
+        logprobs=[0.0, 0.0, -0.5, -2.0, -0.1],
+        advantage=0.25,
+        teacher_logprobs=[0.0, 0.0, -0.7, -1.0, -0.1],
+    )
+    unscored = TrainSample([1, 2], [0, 1], [0.0, -1.0], 0.25)
+    add_distill_advantages([sample, unscored], coef=2.0)
+    # per sampled token: 0.25 + 2 * -(logp_student - logp_teacher); untrained tokens 0
+    want = [0.0, 0.0, 0.25 + 2 * -(-0.5 + 0.7), 0.25 + 2 * -(-2.0 + 1.0), 0.25 + 0.0]
+    assert sample.advantage == pytest.approx(want, abs=1e-12)
+    assert unscored.advantage == 0.25  # no teacher: the task advantage alone
+    assert trajectory_advantages([[1.0, 0.0], [0.0]], "opd") == [[0.0, 0.0], [0.0]]
+
+
+def distill_recipe(tmp_path, teachers: dict, route: dict) -> list[str]:
+    """The tiny recipe on two Calc envs (tags `a`, `b`), distilled from `teachers` alone."""
+    recipe = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    recipe["rollout"]["envs"] = {
+        "a": {"env": "loongsage/Calc-v0", "env_kwargs": {"difficulty": 0}},
+        "b": {"env": "loongsage/Calc-v0", "env_kwargs": {"difficulty": 1}},
+    }
+    recipe["algorithm"] = {"advantage": "opd", "distill": {"teachers": teachers, "route": route}}
+    recipe["eval"]["n"] = 2
+    (tmp_path / "opd.yaml").write_text(yaml.safe_dump(recipe))
+    return [f"recipe={tmp_path / 'opd.yaml'}", "ray.enabled=false", f"run.dir={tmp_path / 'run'}"]
+
+
+@pytest.mark.slow
+async def test_a_distillation_run_routes_two_envs_to_their_teachers(tmp_path, teachers):
+    size = weight_bytes(teachers[0], "float32")
+    argv = distill_recipe(
+        tmp_path,
+        {"t0": {"model": str(teachers[0])}, "t1": {"model": str(teachers[1])}},
+        {"a": "t0", "b": "t1"},
+    )
+    cfg = load([*argv, f"algorithm.distill.memory_budget={size}"])
+    await train(cfg, run_dir=tmp_path / "run")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["distill/scored_frac"] == 1.0  # every sampled token had its teacher
+        assert row["teachers/resident_bytes_max"] <= size
+        assert "mismatch/logprob_abs_diff" in row  # the train-inference gap metrics stay
+    assert any("distill/reverse_kl/t0" in r for r in steps)
+    assert any("distill/reverse_kl/t1" in r for r in steps)
+    assert {"eval/a/success_rate", "eval/b/success_rate", "eval/success_rate"} <= set(rows[0])
+
+
+@pytest.mark.parametrize("broken", [pytest.param("uniform", marks=pytest.mark.slow), "unloadable"])
+async def test_a_broken_teacher_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_path, broken):
+    if broken == "uniform":
+        model = make_teacher(tiny_model_path, tmp_path / "zero", seed=0, zero=True)
+    else:
+        model = shutil.copytree(tiny_model_path, tmp_path / "gone")
+        (model / "model.safetensors").write_bytes(b"truncated")
+    argv = distill_recipe(tmp_path, {"bad": {"model": str(model), "memory_bytes": "1MB"}},
+                          {"a": "bad", "b": "bad"})  # fmt: skip
+    with pytest.raises(StopRun, match="teacher 'bad'") as stop:
+        await train(load(argv), run_dir=tmp_path / "run")
+    assert "resume with run.resume=auto" in str(stop.value)
+    assert (tmp_path / "run" / "checkpoints" / "step_000000" / "trainer.pt").is_file()

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.backends import TrainSample, make_backend
 from trainer.backends.torch_backend import TorchBackend, lr_factor
-from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
+from trainer.config import AlgorithmConfig, TrainBackendConfig
 
 
 def make(path, algorithm=None, **train):
@@ -175,13 +175,6 @@ def test_lr_schedule():
     assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5)
     assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
     assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0)
-
-
-def test_megatron_kind_says_what_it_needs():
-    cfg = TrainerConfig()
-    cfg.train.kind = "megatron"
-    with pytest.raises(ValueError, match="megatron extra and a GPU"):
-        make_backend(cfg)
 
 
 def test_bad_samples_are_rejected(tiny_model_path):

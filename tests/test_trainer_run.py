@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -88,3 +90,37 @@ async def test_black_box_agent_in_docker_trains(tmp_path):
     step = rows[1]
     assert step["rollout/aborted_samples"] == 0 and step["train/sequences"] >= 2
     assert summary.final_model is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_run_and_its_sandboxes_at_once(tmp_path, sig):
+    """Agents that would run for minutes do not hold the run after Ctrl-C or SIGTERM (Ray's own
+    SIGTERM handler exited from the loop and then waited for every sandbox thread)."""
+    marker = "587.25"  # a unique `sleep` argument: its processes are this test's agents
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.run", "recipe=tiny", f"run.dir={tmp_path}",
+         "agent.kind=command", f"agent.command=[sleep, '{marker}']",
+         "agent.sandbox.kind=local", "ray.enabled=true"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+    def agents() -> int:
+        ps = subprocess.run(["pgrep", "-fc", f"sleep {marker}"], capture_output=True, text=True)
+        return int(ps.stdout.strip() or 0)
+
+    try:
+        deadline = time.monotonic() + 240
+        while agents() < 2:  # the step-0 evaluation's agents are running
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no agent started"
+            time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - start < 60
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "interrupted; resume with run.resume=auto" in out, out[-3000:]
+    assert agents() == 0

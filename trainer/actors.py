@@ -433,13 +433,15 @@ def spawn_engine(
     *,
     num_cpus: float = 1,
     name: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> RayEngine:
     """Start an `EngineActor` (Ray must be initialized: `init_ray`) and wait until it serves.
 
     `num_cpus` is the Ray resource it holds (and its torch threads); `name` makes the actor
-    findable with `ray.get_actor(name)`. Errors building the engine (bad config or model) are
-    raised here as ValueError / EngineError."""
-    options: dict[str, Any] = {"num_cpus": num_cpus}
+    findable with `ray.get_actor(name)`; `options` are further Ray actor options (GPUs,
+    resources, a placement group: trainer/cluster.py). Errors building the engine (bad config
+    or model) are raised here as ValueError / EngineError."""
+    options = {"num_cpus": num_cpus, **(options or {})}
     if name is not None:
         options["name"] = name
     handle = EngineActor.options(**options).remote(cfg, str(model_path))

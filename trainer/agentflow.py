@@ -2,7 +2,8 @@
 
 `rollout` opens a session that forces the sampling temperature on every model call (so the
 log-probs the trainer corrects against are the ones the tokens were sampled with, whatever an
-agent asks for), makes the env, lets the agent kind that `agent.kind` names (trainer/agents/)
+agent asks for) and caps each call at `rollout.max_tokens` (black-box agents that send no
+`max_tokens` would otherwise get the whole remaining context), makes the env, lets the agent kind that `agent.kind` names (trainer/agents/)
 play one episode, attaches the reward, closes the session and returns its Trajectory (status
 `ok` / `aborted` / `error` with a reason). A failing agent, a broken tool call or an over-long
 context is data, never an exception out of `rollout`.
@@ -95,7 +96,7 @@ class AgentFlow:
         group shares the prompt), sampled with seed `seed`, in a fresh session; returns its
         closed Trajectory. The env is `tag`'s (default: the one group `group_id` plays). The
         session forces `temperature` (default: the rollout temperature, which the trainer
-        scales its logits by) on every call."""
+        scales its logits by) on every call, and caps each call at `rollout.max_tokens`."""
         r = self.rollout_cfg
         temperature = r.temperature if temperature is None else temperature
         tag = self.tag_of(group_id) if tag is None else tag
@@ -107,7 +108,7 @@ class AgentFlow:
             "sample_index": sample_index,
         }
         session_id, api_key = self.gateway.create_session(
-            meta, sampling={"temperature": temperature}
+            meta, sampling={"temperature": temperature, "max_tokens": r.max_tokens}
         )
         session = Session(self.gateway, session_id, api_key, temperature)
         env = self.make_env(tag)

@@ -140,10 +140,15 @@ class Batch:
         total = sum(self.staleness.values())
         rewards = [r for g in self.groups for r in g.rewards]
         lengths = [t.num_output_tokens for t in self.trajectories]
+        forks = [t.forks for t in self.trajectories]
         out = {
             "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "response/len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "response/len_max": float(max(lengths, default=0)),
+            # Segments beyond the first: an agent that edits its own history (mini-swe-agent
+            # drops malformed replies) or a template that is not append-only.
+            "rollout/forks_mean": sum(forks) / len(forks) if forks else 0.0,
+            "rollout/forks_max": float(max(forks, default=0)),
             "staleness/mean": sum(k * n for k, n in self.staleness.items()) / total
             if total
             else 0.0,

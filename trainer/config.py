@@ -88,7 +88,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; the trainer scales its logits by the same value."""
     max_tokens: int = 256
-    """Maximum tokens per model call."""
+    """Maximum tokens per model call: the session's cap, applied to every agent kind (a
+    black-box agent asking for more, or for no limit, is cut here)."""
     max_turns: int = 4
     """Maximum model calls (turns) per episode."""
 
@@ -184,7 +185,8 @@ class AlgorithmConfig:
 @dataclass
 class TrainBackendConfig:
     kind: str = "torch"
-    """Train backend: `torch` (CPU or one GPU) or `megatron` (needs the megatron extra and GPUs)."""
+    """Train backend: `torch` (CPU or one GPU) or `megatron` (megatron-core: tensor, pipeline and
+    data parallel; GPUs, or fp32 on CPU for tests and small runs; needs the megatron extra)."""
     device: str = "auto"
     """`auto` (cuda when available, else cpu), `cpu`, `cuda` or `cuda:N`."""
     lr: float = 1e-6
@@ -203,9 +205,29 @@ class TrainBackendConfig:
     """`bf16` runs forward/backward under bf16 autocast with fp32 master weights and optimizer."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    tensor_parallel: int = 1
+    """kind=megatron: ranks each layer is split across (must divide the heads, KV heads and
+    intermediate size); keep it within one node."""
+    pipeline_parallel: int = 1
+    """kind=megatron: stages the layers are split into (must divide the number of layers)."""
+    data_parallel: int = 1
+    """kind=megatron: model replicas, each training on its share of the batch. The backend runs
+    tensor_parallel * pipeline_parallel * data_parallel ranks (Ray actors, one per GPU)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the backend runs as."""
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
     def __post_init__(self) -> None:
         TRAIN_BACKENDS.check(self.kind)
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            _positive(name, getattr(self, name))
+        if self.world_size > 1 and not TRAIN_BACKENDS.attrs(self.kind)["parallel"]:
+            raise ValueError(
+                f"train.kind={self.kind} runs one rank; tensor_parallel, pipeline_parallel and "
+                "data_parallel > 1 need train.kind=megatron"
+            )
         _positive("lr", self.lr)
         _non_negative("warmup_steps", self.warmup_steps)
         _non_negative("weight_decay", self.weight_decay)
@@ -270,16 +292,38 @@ class LoggingConfig:
 @dataclass
 class RayConfig:
     enabled: bool = True
-    """Run the local engine and the train backend as Ray actors (separate processes; weights
-    travel through Ray's object store). False keeps everything in this process."""
+    """Run the train backend's ranks and the local engine as Ray actors (separate processes,
+    placed by trainer/cluster.py; weights travel through Ray's object store). False keeps
+    everything in this process (one rank)."""
     address: str | None = None
-    """Ray cluster address; None starts a local Ray (dashboard off)."""
+    """Ray cluster to join, e.g. `10.0.0.1:6379` or `auto` (every node needs this package and
+    the model at the same path); None starts a local Ray (dashboard off)."""
     num_cpus: int = 2
     """CPUs of a local Ray."""
     engine_cpus: float = 1.0
     """CPUs reserved for the engine actor (it runs that many torch threads)."""
     trainer_cpus: float = 1.0
-    """CPUs reserved for the train-backend actor (it runs that many torch threads)."""
+    """CPUs reserved for each train-backend rank (it runs that many torch threads)."""
+    engine_gpus: float = 0.0
+    """GPUs reserved for the engine actor (the local engine on a GPU)."""
+    trainer_gpus: float = 0.0
+    """GPUs reserved for each train-backend rank (1 for train.kind=megatron on GPUs)."""
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources the engine actor needs, e.g. {rollout_node: 1} to put it on a node
+    started with `ray start --resources='{"rollout_node": 1}'`."""
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each train-backend rank needs (pins the ranks to the nodes that
+    offer them)."""
+    trainer_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Placement of the ranks' bundles: PACK fills a node before the next (tensor-parallel peers
+    share a node), STRICT_PACK all on one node, SPREAD across nodes."""
+
+    def __post_init__(self) -> None:
+        for name in ("engine_cpus", "trainer_cpus", "engine_gpus", "trainer_gpus"):
+            _non_negative(name, getattr(self, name))
+        for name in ("engine_resources", "trainer_resources"):
+            for key, value in getattr(self, name).items():
+                _non_negative(f"{name}.{key}", value)
 
 
 @dataclass

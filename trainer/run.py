@@ -8,12 +8,14 @@ controller:
          | weight push after each step       | AgentFlow: the agent kind `agent.kind` names
     train backend (Ray actor, or in-process) <- controller (admission, batches, train, push, eval)
 
-The engine and the backend run as Ray actors with `ray.enabled`, unless the engine kind is a
-client of servers elsewhere (`remote`, e.g. SGLang), which keeps the whole run in this process.
+With `ray.enabled` the backend's ranks run as Ray actors (one per rank: tensor x pipeline x
+data parallel), and so does the engine unless its kind is a client of servers elsewhere
+(`remote`, e.g. SGLang); trainer/cluster.py places them, on this machine or on the cluster at
+`ray.address`.
 The gateway also listens on a Unix socket in a private temporary folder: the only way out of
 the sandboxes of black-box agents. With `algorithm.distill.teachers`, teachers made by recipes
-are made first (child runs, cached), and a TeacherManager scores every sample in this process. `--help` lists every key with its help text;
-`recipe=quickstart` is the CPU default.
+are made first (child runs, cached), and a TeacherManager scores every sample in this process.
+`--help` lists every key with its help text; `recipe=quickstart` is the CPU default.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,20 +53,24 @@ from trainer.weights import WeightPush
 async def engine_and_backend(
     cfg: TrainerConfig, model_path: str
 ) -> AsyncIterator[tuple[Engine, TrainBackend]]:
-    """The engine and the train backend, as Ray actors (`ray.enabled`, for engines that run
-    here) or in this process; both stopped on exit."""
+    """The engine and the train backend; both stopped on exit. With `ray.enabled` the backend's
+    ranks are Ray actors, and so is the engine unless it is a client of servers elsewhere
+    (trainer/cluster.py places them); otherwise both run in this process."""
     async with contextlib.AsyncExitStack() as stack:
-        if cfg.ray.enabled and not ENGINES.attrs(cfg.engine.kind)["remote"]:
-            from trainer.actors import init_ray, spawn_backend, spawn_engine
+        remote = ENGINES.attrs(cfg.engine.kind)["remote"]
+        if cfg.ray.enabled:
+            from trainer import cluster
 
-            init_ray(cfg.ray.address, cfg.ray.num_cpus)
-            engine = spawn_engine(cfg.engine, model_path, num_cpus=cfg.ray.engine_cpus)
-            stack.push_async_callback(engine.close)
-            backend = spawn_backend(cfg, num_cpus=cfg.ray.trainer_cpus)
-            stack.callback(backend.close)
+            cluster.init(cfg.ray)
+        if cfg.ray.enabled and not remote:
+            engine = await stack.enter_async_context(cluster.placed_engine(cfg, model_path))
         else:
             engine = make_engine(cfg.engine, model_path)
             stack.push_async_callback(engine.close)
+        if cfg.ray.enabled:
+            backend = stack.enter_context(cluster.placed_trainer(cfg))
+            print(cluster.describe(engine, backend), flush=True)
+        else:
             backend = make_backend(cfg)
         yield engine, backend
 
@@ -74,6 +82,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     model_path = resolve_model(cfg.model.name)
     async with contextlib.AsyncExitStack() as stack:
         engine, backend = await stack.enter_async_context(engine_and_backend(cfg, model_path))
+        _stop_on_sigterm(stack)
         gateway = Gateway(engine, model_path, GatewayConfig(model=cfg.model.name, auth="keys"))
         stack.push_async_callback(gateway.aclose)
         socket = await stack.enter_async_context(gateway_socket(gateway))
@@ -94,6 +103,17 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             teachers=teachers,
         )
         return await controller.run()
+
+
+def _stop_on_sigterm(stack: contextlib.AsyncExitStack) -> None:
+    """SIGTERM stops the run as Ctrl-C does: every task cancelled, everything started stopped
+    (sandboxes included), then exit. Set after Ray starts, whose own handler would exit from
+    wherever the loop happens to be and leave worker threads to finish their agents first."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, signal.raise_signal, signal.SIGINT)
+    stack.callback(loop.remove_signal_handler, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ import gymnasium as gym
 
 from envs.agent import Episode
 from gateway.config import ConfigError
-from sandbox import run_once, unavailable
+from sandbox import Stopper, run_once, unavailable
 from trainer.agents import Session
 from trainer.config import AgentConfig, RolloutConfig
 
@@ -67,15 +67,23 @@ class CommandAgent:
             part.replace("{task}", task).replace("{instructions}", instructions)
             for part in self.cfg.command
         ]
-        result, out = await asyncio.to_thread(
-            run_once,
-            self.sandbox,
-            command,
-            files,
-            env={"OPENAI_API_KEY": session.api_key},
-            collect=["answer.txt"],
-            timeout_s=self.cfg.timeout_s,
-        )
+        stopper = Stopper()
+        try:
+            result, out = await asyncio.to_thread(
+                run_once,
+                self.sandbox,
+                command,
+                files,
+                env={"OPENAI_API_KEY": session.api_key},
+                collect=["answer.txt"],
+                timeout_s=self.cfg.timeout_s,
+                stopper=stopper,
+            )
+        except asyncio.CancelledError:
+            # The run is shutting down: stop the sandbox now, or its thread holds the process
+            # until the agent times out (asyncio.run waits for its worker threads).
+            await asyncio.to_thread(stopper.stop)
+            raise
         answer = out.get("answer.txt")
         logs = {"stdout_tail": result.stdout[-2000:], "stderr_tail": result.stderr[-2000:]}
         if not result.ok:

@@ -1,9 +1,11 @@
 """Train backends, chosen by `train.kind` from `TRAIN_BACKENDS`.
 
-`torch` (CPU or one GPU, trainer/backends/torch_backend.py) and `megatron` (megatron-core on
-GPUs, trainer/backends/megatron.py). A kind is a lazy entry point (`gateway/registry.py`) that
+`torch` (CPU or one GPU, trainer/backends/torch_backend.py) and `megatron` (megatron-core,
+tensor/pipeline/data parallel, trainer/backends/megatron/; one rank per process, started by
+trainer/cluster.py). A kind is a lazy entry point (`gateway/registry.py`) that
 builds a `TrainBackend` (trainer/backends/base.py) from the run's `TrainerConfig`; a new one is a
-module and one `register` line here.
+module and one `register` line here, with `parallel=True` when it runs as several ranks
+(`train.tensor_parallel` and friends).
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ if TYPE_CHECKING:
     from trainer.config import TrainerConfig
 
 TRAIN_BACKENDS: Registry[TrainBackend] = Registry("train.kind")
-TRAIN_BACKENDS.register("torch", "trainer.backends.torch_backend:TorchBackend.from_config")
-TRAIN_BACKENDS.register("megatron", "trainer.backends.megatron:MegatronBackend")
+TRAIN_BACKENDS.register(
+    "torch", "trainer.backends.torch_backend:TorchBackend.from_config", parallel=False
+)
+TRAIN_BACKENDS.register(
+    "megatron", "trainer.backends.megatron.backend:MegatronBackend.from_config", parallel=True
+)
 
 
 def make_backend(cfg: TrainerConfig) -> TrainBackend:

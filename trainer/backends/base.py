@@ -3,15 +3,20 @@
 A backend takes `TrainSample`s (token ids, loss mask, behaviour log-probs, advantages), runs one
 train step with the one loss of `trainer.algorithms`, hands its weights to the weight push and
 saves/loads resumable checkpoints and final HF folders. `train_samples` turns a batch and its
-advantages (computed in `trainer.algorithms`) into samples.
+advantages (computed in `trainer.algorithms`) into samples. What every backend does the same
+way lives here too: checking samples, packing them into micro-batches, the LR schedule, and the
+RNG state a checkpoint keeps.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -53,6 +58,69 @@ def train_samples(batch: Batch, advantages: list[list[float]]) -> list[TrainSamp
                         )
                     )
     return samples
+
+
+def check_samples(samples: list[TrainSample]) -> None:
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    for s in samples:
+        if not len(s.token_ids) == len(s.loss_mask) == len(s.logprobs):
+            raise ValueError("a sample's token_ids, loss_mask and logprobs differ in length")
+
+
+def micro_batches(idx: list[int], samples: list[TrainSample], budget: int) -> list[list[int]]:
+    """Greedy packing of samples `idx`, longest first, so that rows * longest row <= budget
+    (`train.micro_batch_tokens`; a longer sample is a micro-batch of its own)."""
+    order = sorted(idx, key=lambda i: -len(samples[i].token_ids))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            cur = batches[-1]
+            width = len(samples[cur[0]].token_ids)  # longest, since sorted
+            if width * (len(cur) + 1) <= budget:
+                cur.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def pad_rows(rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
+    """Right-padded [len(rows), longest row] tensor."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak LR at train step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a checkpoint restores (torch, CUDA, Python, numpy)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
 
 
 @runtime_checkable

@@ -16,17 +16,23 @@ from __future__ import annotations
 import copy
 import math
 import os
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway.models import resolve_model
 from trainer.algorithms import policy_loss, reduce_metrics
-from trainer.backends.base import TrainSample
+from trainer.backends.base import (
+    TrainSample,
+    check_samples,
+    lr_factor,
+    micro_batches,
+    pad_rows,
+    rng_state,
+    set_rng_state,
+)
 from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 CHECKPOINT_FILE = "trainer.pt"
@@ -38,18 +44,6 @@ def _device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"train.device={name} but no CUDA GPU is visible; use train.device=cpu")
     return torch.device(name)
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the peak LR at train step `step` (0-based)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def token_logprobs(
@@ -152,25 +146,7 @@ class TorchBackend:
         )
 
     def _pad(self, rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), value, dtype=dtype)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-        return out.to(self.device)
-
-    def _micro_batches(self, idx: list[int], samples: list[TrainSample]) -> list[list[int]]:
-        """Greedy packing, longest first, so that rows * longest row <= micro_batch_tokens."""
-        order = sorted(idx, key=lambda i: -len(samples[i].token_ids))
-        batches: list[list[int]] = []
-        for i in order:
-            if batches:
-                cur = batches[-1]
-                width = len(samples[cur[0]].token_ids)  # longest, since sorted
-                if width * (len(cur) + 1) <= self.cfg.micro_batch_tokens:
-                    cur.append(i)
-                    continue
-            batches.append([i])
-        return batches
+        return pad_rows(rows, value, dtype).to(self.device)
 
     def _inputs(self, rows: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self._pad([s.token_ids for s in rows], self.pad_id, torch.long)
@@ -182,7 +158,7 @@ class TorchBackend:
         self, model: torch.nn.Module, samples: list[TrainSample], only_loss: bool = True
     ) -> list[torch.Tensor]:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in self._micro_batches(list(range(len(samples))), samples):
+        for mb in micro_batches(list(range(len(samples))), samples, self.cfg.micro_batch_tokens):
             rows = [samples[i] for i in mb]
             ids, attn = self._inputs(rows)
             mask = self._pad([s.loss_mask for s in rows], 0, torch.long) if only_loss else None
@@ -198,11 +174,7 @@ class TorchBackend:
     # -- the train step -------------------------------------------------------------------------
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
-        for s in samples:
-            if not len(s.token_ids) == len(s.loss_mask) == len(s.logprobs):
-                raise ValueError("a sample's token_ids, loss_mask and logprobs differ in length")
+        check_samples(samples)
         separate_proximal = self.algorithm.num_minibatches > 1 and len(samples) > 1
         proximal = self._score(self.model, samples) if separate_proximal else None
         ref = self._score(self.ref_model, samples) if self.ref_model is not None else None
@@ -215,7 +187,7 @@ class TorchBackend:
             num_seqs = sum(1 for i in mini if any(samples[i].loss_mask))
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for mb in self._micro_batches(mini, samples):
+            for mb in micro_batches(mini, samples, self.cfg.micro_batch_tokens):
                 rows = [samples[i] for i in mb]
                 ids, attn = self._inputs(rows)
                 mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
@@ -284,12 +256,7 @@ class TorchBackend:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-            },
+            "rng": rng_state(),
             "extra": extra,
         }
         tmp = path / f".{CHECKPOINT_FILE}.tmp"
@@ -304,12 +271,7 @@ class TorchBackend:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        set_rng_state(state["rng"])
         self._step = state["step"]
         return state["extra"]
 
