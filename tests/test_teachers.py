@@ -21,6 +21,7 @@ import yaml
 from fake_sglang import serve_fake, step, token_logprob
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from gateway.config import ConfigError
 from gateway.engines import EngineConfig
 from gateway.trajectory import Trajectory, Turn
 from trainer.algorithms import add_distill_advantages, trajectory_advantages
@@ -432,3 +433,18 @@ async def test_a_broken_teacher_stops_the_run_with_a_checkpoint(tmp_path, tiny_m
         await train(load(argv), run_dir=tmp_path / "run")
     assert "resume with run.resume=auto" in str(stop.value)
     assert (tmp_path / "run" / "checkpoints" / "step_000000" / "trainer.pt").is_file()
+
+
+def test_distillation_config_errors_name_the_key(tmp_path):
+    argv = distill_recipe(tmp_path, {"t": {"model": "tiny"}}, {"a": "t", "b": "t"})
+    assert load(argv).algorithm.distill.route == {"a": "t", "b": "t"}
+    with pytest.raises(ConfigError, match=r"algorithm.distill.route.c: not an env tag or env id"):
+        load([*argv, "algorithm.distill.route={a: t, b: t, c: t}"])
+    with pytest.raises(ConfigError, match=r"advantage=opd: env 'b' has no teacher"):
+        load([*argv, "algorithm.distill.route={a: t}"])
+    with pytest.raises(ConfigError, match="advantage=opd learns from teachers alone"):
+        load([*argv, "algorithm.distill.coef=0"])
+    rl_alone = load([*argv, "algorithm.advantage=grpo", "algorithm.distill.coef=0"])
+    assert rl_alone.algorithm.distill.coef == 0  # teachers measure only
+    with pytest.raises(ConfigError, match="set either env"):
+        load([*argv, "rollout.env=loongsage/ReasoningGym-v0"])

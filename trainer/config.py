@@ -178,8 +178,11 @@ class AlgorithmConfig:
         _non_negative("kl_coef", self.kl_coef)
         _non_negative("entropy_coef", self.entropy_coef)
         _positive("num_minibatches", self.num_minibatches)
-        if self.advantage == "opd" and not self.distill.teachers:
-            raise ValueError("advantage=opd needs teachers: set algorithm.distill.teachers")
+        if self.advantage == "opd" and not (self.distill.teachers and self.distill.coef):
+            raise ValueError(
+                "advantage=opd learns from teachers alone: set algorithm.distill.teachers and a "
+                "coef > 0"
+            )
 
 
 @dataclass

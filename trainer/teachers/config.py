@@ -70,7 +70,8 @@ class DistillConfig:
     """Env tag (a key of rollout.envs) or env id -> the teacher that scores its samples."""
     coef: float = 1.0
     """Weight of the reverse-KL advantage -(logp_student - logp_teacher) added to every sampled
-    token's advantage (the task advantage; 0 with advantage=opd)."""
+    token's advantage (the task advantage; 0 with advantage=opd). 0: the teachers only measure
+    (`distill/reverse_kl`), e.g. for an RL-alone baseline on the same run."""
     memory_budget: str = ""
     """Bytes the resident teachers may hold together (e.g. 600MB, 1.5GiB); the others wait on
     disk (local) or released (sglang) and are swapped in on demand, least recently used out
@@ -88,8 +89,8 @@ class DistillConfig:
                 raise ValueError(f"route.{name}: {teacher!r} is not a teacher (teachers: {known})")
         if self.teachers and not self.route:
             raise ValueError("route: say which env tag or env id each teacher scores")
-        if self.coef <= 0:
-            raise ValueError(f"coef must be > 0, got {self.coef}")
+        if self.coef < 0:
+            raise ValueError(f"coef must be >= 0, got {self.coef}")
         if self.max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences must be >= 1, got {self.max_batch_sequences}")
         if self.linger_s < 0:
