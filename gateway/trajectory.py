@@ -97,7 +97,13 @@ class Trajectory:
         return sum(len(t.output_ids) for t in self.turns)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The JSON record; a segment no teacher scored has no `teacher_logprobs` key (the
+        gateway's record is the same with or without distillation)."""
+        data = dataclasses.asdict(self)
+        for seg in data["segments"]:
+            if seg["teacher_logprobs"] is None:
+                del seg["teacher_logprobs"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:

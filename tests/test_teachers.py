@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from gateway.config import ConfigError
 from gateway.engines import EngineConfig
+from gateway.models import loongsage_home
 from gateway.trajectory import Trajectory, Turn
 from trainer.algorithms import add_distill_advantages, trajectory_advantages
 from trainer.backends.base import TrainSample
@@ -31,6 +32,7 @@ from trainer.controller import StopRun
 from trainer.metrics import read_metrics
 from trainer.run import train
 from trainer.teachers.config import DistillConfig, TeacherConfig, parse_bytes
+from trainer.teachers.make import made_teacher
 from trainer.teachers.manager import TeacherError, TeacherManager, check_not_uniform
 from trainer.teachers.residency import weight_bytes
 
@@ -448,3 +450,18 @@ def test_distillation_config_errors_name_the_key(tmp_path):
     assert rl_alone.algorithm.distill.coef == 0  # teachers measure only
     with pytest.raises(ConfigError, match="set either env"):
         load([*argv, "rollout.env=loongsage/ReasoningGym-v0"])
+
+
+@pytest.mark.slow
+def test_a_recipe_teacher_is_made_once_and_cached():
+    argv = ["recipe=tiny", "run.steps=1", "ray.enabled=false", f"run.seed={time.time_ns()}"]
+    try:
+        path = made_teacher("t", argv)  # a child trainer.run; its final model, cached
+        assert (path / "config.json").is_file() and path.name.startswith("teacher-t-")
+        made = (path / "config.json").stat().st_mtime_ns
+        assert made_teacher("t", argv) == path  # the same config: no second run
+        assert (path / "config.json").stat().st_mtime_ns == made
+        assert made_teacher("t", [*argv, "run.steps=2"]) != path  # another config: another one
+    finally:
+        for folder in loongsage_home().glob("models/teacher-t-*"):
+            shutil.rmtree(folder, ignore_errors=True)
