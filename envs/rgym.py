@@ -11,7 +11,9 @@ reasoning-gym dataset is a pure function of `(seed, i)`, so the eval split is it
 `[eval_size, 2**31)` with the env's RNG (disjoint indexes; equal prompts are re-drawn as in every
 ToolEnv). The reward is reasoning-gym's own `score_answer` on the final `Answer:` line (1.0 for
 the exact answer; some families give partial credit). `calculator=True` adds the Calc env's
-calculator tool.
+calculator tool. `answer_hint=True` ends every question with the answer format, as Calc's tasks
+do: SmolLM2-135M answers `5 * 9 = 45` to a bare question (scored 0) but follows a format asked
+for in the user turn.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ReasoningGymEnv(ToolEnv):
         config: dict[str, Any] | None = None,
         seed: int = 0,
         calculator: bool = False,
+        answer_hint: bool = False,
         max_turns: int = 4,
         **kwargs: Any,
     ) -> None:
@@ -49,6 +52,7 @@ class ReasoningGymEnv(ToolEnv):
             raise ValueError(f"dataset={dataset!r} is not a reasoning-gym dataset; one of {names}")
         self.dataset_name = dataset
         self.use_calculator = calculator
+        self.answer_hint = answer_hint
         self.dataset = reasoning_gym.create_dataset(
             dataset, **{"seed": seed, "size": 2**31 - 1, **(config or {})}
         )
@@ -59,7 +63,12 @@ class ReasoningGymEnv(ToolEnv):
 
     def _task(self, index: int) -> Task:
         entry = self.dataset[index]
-        return Task(prompt=entry["question"], answer=entry["answer"], data={"entry": entry})
+        prompt = entry["question"]
+        if self.answer_hint:
+            prompt = (
+                prompt.rstrip() + "\nPut your final answer on its own line as: Answer: <answer>"
+            )
+        return Task(prompt=prompt, answer=entry["answer"], data={"entry": entry})
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         return self._task(int(rng.integers(self.eval_size, 2**31 - 1)))

@@ -64,6 +64,11 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         if sub is not None:
             lines.extend(describe(sub, key + "."))
             continue
+        named = _named_dataclass_type(hints[f.name])
+        if named is not None:
+            lines.append(f"{key} = {{}}  # {docs.get(f.name, '')}")
+            lines.extend(describe(named, key + ".<name>."))
+            continue
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
@@ -135,11 +140,20 @@ def _set_path(data: dict[str, Any], keys: list[str], value: Any) -> None:
 
 
 def _dataclass_type(tp: Any) -> type | None:
+    """The config dataclass `tp` is, or is optionally (`X | None`); None otherwise."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return tp
-    for arg in typing.get_args(tp):
-        if dataclasses.is_dataclass(arg) and isinstance(arg, type):
-            return arg
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+                return arg
+    return None
+
+
+def _named_dataclass_type(tp: Any) -> type | None:
+    """X for `dict[str, X]` with X a config dataclass (named sub-configs); None otherwise."""
+    if typing.get_origin(tp) is dict:
+        return _dataclass_type(typing.get_args(tp)[1])
     return None
 
 
@@ -185,6 +199,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                     ) from None
                 raise
         return out
+    if _dataclass_type(tp) is not None and isinstance(value, dict):
+        return from_dict(_dataclass_type(tp), value, f"{key}.")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):

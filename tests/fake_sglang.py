@@ -30,6 +30,9 @@ SGLang's source (`entrypoints/http_server.py`, `managers/io_struct.py`,
   `/begin_weight_update` ... `/end_weight_update` session, and a second `begin` or an `end`
   without one is refused too, as SGLang's weight updater asserts; `/health` (which, like
   SGLang's, runs into its timeout and answers 503 while generation is paused),
+  `/release_memory_occupation` and `/resume_memory_occupation` (`tags`, default weights and
+  KV cache; weights resumed without `--enable-weights-cpu-backup` are garbage, as in SGLang:
+  every logprob is then the uniform -log(vocab)),
   `/get_model_info`, `/get_weight_version`, `/get_server_info`, `/v1/models`.
 
 The "model" is a rolling hash of the token ids: the next token and its logprob depend only on
@@ -47,6 +50,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -121,6 +125,10 @@ class FakeConfig:
     weight_version: str = "default"
     health_timeout_s: float = 20.0
     """How long /health waits for a paused server (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)."""
+    weights_cpu_backup: bool = False
+    """SGLang's --enable-weights-cpu-backup (off by default there too): without it, weights
+    released by /release_memory_occupation come back from /resume_memory_occupation as
+    garbage, which this fake models as a uniform distribution (every logprob -log(vocab))."""
 
 
 @dataclass
@@ -142,6 +150,8 @@ class FakeState:
     released: set[str] = field(default_factory=set)
     session_open: bool = False
     """Inside /begin_weight_update ... /end_weight_update."""
+    garbage_weights: bool = False
+    """Weights resumed without a CPU backup: every logprob is -log(vocab_size)."""
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: int = 0
     generated_tokens: int = 0
@@ -280,7 +290,7 @@ class FakeSGLang:
                     token = cfg.eos_token_id
                 else:
                     token = cfg.first_token_id + (r >> 8) % span
-                lp = token_logprob(h, token)
+                lp = self.logprob(h, token)
                 top = self.top_row(h, token, req["top_logprobs_num"])
                 h = step(h, token)
                 out_ids.append(token)
@@ -313,13 +323,19 @@ class FakeSGLang:
         finally:
             state.running.pop(req["rid"], None)
 
+    def logprob(self, h: int, token: int) -> float:
+        """`token_logprob`, or the uniform distribution's once the weights are garbage."""
+        if self.state.garbage_weights:
+            return -math.log(self.config.vocab_size)
+        return token_logprob(h, token)
+
     def top_row(self, h: int, token: int, k: int) -> list[list[Any]]:
         """The k likeliest of the sampled token and 2k hashed candidates, as SGLang triples."""
         if k <= 0:
             return []
         span = self.config.vocab_size - self.config.first_token_id
         ids = {token} | {self.config.first_token_id + mix(h ^ (j + 1)) % span for j in range(2 * k)}
-        return sorted(([token_logprob(h, t), t, None] for t in ids), reverse=True)[:k]
+        return sorted(([self.logprob(h, t), t, None] for t in ids), reverse=True)[:k]
 
     def meta(
         self,
@@ -357,7 +373,7 @@ class FakeSGLang:
         h = 0
         for i, t in enumerate(ids):
             if i >= start:
-                out.append([None if i == 0 else token_logprob(h, t), t, None])
+                out.append([None if i == 0 else self.logprob(h, t), t, None])
             h = step(h, t)
         return out
 
@@ -570,7 +586,10 @@ def build_app(config: FakeConfig) -> Starlette:
 
     async def resume_memory(request: Request) -> Response:
         body = await _json(request)
-        state.released -= set(body.get("tags") or ["weights", "kv_cache"])
+        tags = set(body.get("tags") or ["weights", "kv_cache"])
+        if "weights" in tags & state.released and not config.weights_cpu_backup:
+            state.garbage_weights = True
+        state.released -= tags
         return Response(status_code=200)
 
     async def health(request: Request) -> Response:
@@ -722,6 +741,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eos-token-id", type=int, default=2)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--health-timeout-s", type=float, default=20.0)
+    parser.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep released weights in CPU memory (without it they come back as garbage)",
+    )
     args = parser.parse_args(argv)
     config = FakeConfig(
         latency_ms=args.latency_ms,
@@ -732,6 +756,7 @@ def main(argv: list[str] | None = None) -> None:
         eos_token_id=args.eos_token_id,
         weight_version=args.weight_version,
         health_timeout_s=args.health_timeout_s,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     import uvicorn
 

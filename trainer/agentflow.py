@@ -11,6 +11,12 @@ context is data, never an exception out of `rollout`.
 Training and evaluation take the same path: the controller's rollouts draw tasks with
 `reset(seed=prompt)`, evaluation plays the env's held-out split with
 `options={"split": "eval", "index": i}` (trainer/eval.py).
+
+Several envs (`rollout.envs`, by tag): group g plays the env at position g of a smooth weighted
+round-robin over the tags (weights 2:1 give a, b, a, a, b, a, ...), so every batch holds the mix
+in proportion and a resumed run gives each group the same env again. Every trajectory's
+metadata carries `env` (the id) and `env_tag` (the tag; the id for a single env), by which the
+Teacher Manager routes it and evaluation reports per env.
 """
 
 from __future__ import annotations
@@ -52,18 +58,28 @@ class AgentFlow:
         self.gateway = gateway
         self.rollout_cfg = rollout
         self.cfg = agent or AgentConfig()
-        find_spec(rollout.env)  # an unknown env id fails here, with gymnasium's suggestion
+        self.envs = rollout.mix()
+        for spec in self.envs.values():
+            find_spec(spec.env)  # an unknown env id fails here, with gymnasium's suggestion
+        self.turns = _round_robin({tag: spec.weight for tag, spec in self.envs.items()})
         self.agent = AGENTS.build(self.cfg.kind, self.cfg, rollout, gateway_socket=gateway_socket)
 
     @staticmethod
-    def check(env_id: str, agent: AgentConfig) -> None:
+    def check(rollout: RolloutConfig, agent: AgentConfig) -> None:
         """Fail before a run loads anything: an unknown env id (gymnasium's error, with its
         suggestion) or an agent that cannot run here (ConfigError)."""
-        find_spec(env_id)
+        for spec in rollout.mix().values():
+            find_spec(spec.env)
         AGENTS.load(agent.kind).preflight(agent)
 
-    def make_env(self) -> gym.Env:
-        return gym.make(self.rollout_cfg.env, **self.rollout_cfg.env_kwargs)
+    def tag_of(self, group_id: int) -> str:
+        """The env tag group `group_id` plays."""
+        return self.turns[group_id % len(self.turns)]
+
+    def make_env(self, tag: str | None = None) -> gym.Env:
+        """The env of `tag` (default: the first, or only, env)."""
+        spec = self.envs[tag if tag is not None else next(iter(self.envs))]
+        return gym.make(spec.env, **spec.env_kwargs)
 
     async def rollout(
         self,
@@ -74,17 +90,20 @@ class AgentFlow:
         seed: int | None = None,
         options: dict[str, Any] | None = None,
         temperature: float | None = None,
+        tag: str | None = None,
     ) -> Trajectory:
         """One episode of the env task drawn with `reset(seed=prompt, options=options)` (a GRPO
         group shares the prompt), sampled with seed `seed`, in a fresh session; returns its
-        closed Trajectory. The session forces `temperature` (default: the rollout temperature,
-        which the trainer scales its logits by) on every call, and caps each call at
-        `rollout.max_tokens`."""
+        closed Trajectory. The env is `tag`'s (default: the one group `group_id` plays). The
+        session forces `temperature` (default: the rollout temperature, which the trainer
+        scales its logits by) on every call, and caps each call at `rollout.max_tokens`."""
         r = self.rollout_cfg
         temperature = r.temperature if temperature is None else temperature
+        tag = self.tag_of(group_id) if tag is None else tag
         meta = {
             "agent": self.cfg.kind,
-            "env": r.env,
+            "env": self.envs[tag].env,
+            "env_tag": tag,
             "task_seed": prompt,
             "group_id": group_id,
             "sample_index": sample_index,
@@ -93,7 +112,7 @@ class AgentFlow:
             meta, sampling={"temperature": temperature, "max_tokens": r.max_tokens}
         )
         session = Session(self.gateway, session_id, api_key, temperature)
-        env = self.make_env()
+        env = self.make_env(tag)
         try:
             episode = await self.agent.play(
                 env, session, task_seed=prompt, options=options, sample_seed=seed
@@ -123,6 +142,19 @@ async def gateway_socket(gateway: Gateway) -> AsyncIterator[str]:
             yield path
         finally:
             await server.stop()
+
+
+def _round_robin(weights: dict[str, int]) -> list[str]:
+    """One cycle of smooth weighted round-robin: each tag `weight` times, spread out."""
+    current = dict.fromkeys(weights, 0)
+    cycle = []
+    for _ in range(sum(weights.values())):
+        for tag, weight in weights.items():
+            current[tag] += weight
+        best = max(current, key=current.get)
+        current[best] -= sum(weights.values())
+        cycle.append(best)
+    return cycle
 
 
 def _jsonable(info: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,15 @@
 """The RL math: group-normalized advantages and the one policy loss every train backend uses.
 
-The controller's train step reads: rewards per group -> `trajectory_advantages` -> samples ->
-the backend's step, which calls `policy_loss` -> weight push.
+The controller's train step reads: rewards per group -> `trajectory_advantages` -> samples
+(-> `add_distill_advantages` with teachers) -> the backend's step, which calls `policy_loss` ->
+weight push.
+
+On-policy distillation (Thinking Machines' recipe, as in tinker-cookbook): a teacher scored
+every sampled token, and the token's advantage gains `coef * -(logp_student - logp_teacher)`,
+the negated per-token reverse KL, undiscounted; with `advantage=opd` the reward contributes
+nothing. `logp_student` is the behaviour log-prob the engine reported when it sampled the token
+(the distribution the KL is estimated on; no extra forward pass), at the rollout temperature,
+while teachers score at T = 1: keep the rollout temperature at 1 for exact distillation.
 
 Three log-probabilities meet in the loss (decoupled PPO, as in AReaL):
 
@@ -36,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.backends.base import TrainSample
+from trainer.buffer import Batch
 from trainer.config import AlgorithmConfig
 
 
@@ -59,8 +69,53 @@ def trajectory_advantages(
     rewards_by_group: Sequence[Sequence[float]], kind: str = "grpo"
 ) -> list[list[float]]:
     """One advantage per trajectory: `group_advantages` of each group's rewards (groups may
-    differ in size when samples were aborted)."""
+    differ in size when samples were aborted); all zeros for `opd` (the teachers' alone)."""
+    if kind == "opd":
+        return [[0.0] * len(r) for r in rewards_by_group]
     return [group_advantages(torch.tensor([r]), kind)[0].tolist() for r in rewards_by_group]
+
+
+def reverse_kl_advantages(
+    logprobs: Sequence[float], teacher_logprobs: Sequence[float], mask: Sequence[int]
+) -> list[float]:
+    """-(logp_student - logp_teacher) on sampled tokens (mask 1), 0 elsewhere: the negated
+    per-token reverse KL, no discounting."""
+    return [(t - s) if m else 0.0 for s, t, m in zip(logprobs, teacher_logprobs, mask, strict=True)]
+
+
+def add_distill_advantages(samples: list[TrainSample], coef: float) -> None:
+    """Per-token advantages for the samples a teacher scored: the sample's advantage plus
+    `coef` times `reverse_kl_advantages`, on sampled tokens (other tokens are not trained)."""
+    for s in samples:
+        if s.teacher_logprobs is None:
+            continue
+        kl = reverse_kl_advantages(s.logprobs, s.teacher_logprobs, s.loss_mask)
+        base = s.token_advantages()
+        s.advantage = [
+            a + coef * k if m else 0.0 for a, k, m in zip(base, kl, s.loss_mask, strict=True)
+        ]
+
+
+def distill_metrics(batch: Batch) -> dict[str, float]:
+    """`distill/reverse_kl`: mean of logp_student - logp_teacher over the sampled tokens a
+    teacher scored, overall and per teacher (`distill/reverse_kl/<teacher>`), and the fraction
+    of sampled tokens scored."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    total = 0
+    for traj in batch.trajectories:
+        for seg in traj.segments:
+            n = sum(seg.loss_mask)
+            total += n
+            if seg.teacher_logprobs is None or not n:
+                continue
+            kl = reverse_kl_advantages(seg.logprobs, seg.teacher_logprobs, seg.loss_mask)
+            for key in ("", "/" + traj.metadata.get("teacher", "?")):
+                sums[key] = sums.get(key, 0.0) - sum(kl)
+                counts[key] = counts.get(key, 0) + n
+    out = {f"distill/reverse_kl{key}": sums[key] / counts[key] for key in sums}
+    out["distill/scored_frac"] = counts.get("", 0) / total if total else 0.0
+    return out
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:

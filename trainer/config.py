@@ -22,6 +22,7 @@ from gateway.engines import EngineConfig
 from sandbox import SandboxConfig
 from trainer.agents import AGENTS
 from trainer.backends import TRAIN_BACKENDS
+from trainer.teachers import DistillConfig
 from trainer.transfer import TransferConfig
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -45,11 +46,35 @@ class ModelConfig:
 
 
 @dataclass
+class EnvSpec:
+    env: str = ""
+    """Registered Gymnasium env id."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `gymnasium.make(env, ...)`."""
+    weight: int = 1
+    """Its share of the groups: groups take the envs in turn, in proportion to their weights."""
+
+    def __post_init__(self) -> None:
+        if not self.env:
+            raise ValueError("env: the registered env id, e.g. loongsage/Calc-v0")
+        _positive("weight", self.weight)
+
+
+DEFAULT_ENV = "loongsage/Calc-v0"
+
+
+@dataclass
 class RolloutConfig:
-    env: str = "loongsage/Calc-v0"
+    env: str = DEFAULT_ENV
     """Registered Gymnasium env id: its tasks are the prompts, its verifier gives the reward."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of `gymnasium.make(env, ...)`, e.g. {difficulty: 0}."""
+    envs: dict[str, EnvSpec] = field(default_factory=dict)
+    """Several envs in one run, by tag, instead of `env`: e.g. {calc: {env: loongsage/Calc-v0},
+    words: {env: loongsage/ReasoningGym-v0, env_kwargs: {dataset: spell_backward}}}. Groups
+    take the envs in turn by `weight`, every sample carries its tag (metadata `env_tag`), and
+    evaluation plays each env's eval split (eval/<tag>/success_rate, ...; eval/success_rate is
+    their mean)."""
     num_samples_per_prompt: int = 8
     """Samples per prompt: one GRPO group; advantages are normalized within it."""
     batch_size: int = 4
@@ -80,6 +105,12 @@ class RolloutConfig:
         _positive("temperature", self.temperature)
         _positive("max_tokens", self.max_tokens)
         _positive("max_turns", self.max_turns)
+        if self.envs and (self.env != DEFAULT_ENV or self.env_kwargs):
+            raise ValueError("set either env (with env_kwargs) or envs (a mix of envs), not both")
+
+    def mix(self) -> dict[str, EnvSpec]:
+        """Env tag -> env: `envs`, or the one `env` tagged by its id."""
+        return self.envs or {self.env: EnvSpec(self.env, self.env_kwargs)}
 
 
 @dataclass
@@ -112,8 +143,9 @@ class AgentConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "drgrpo"] = "grpo"
-    """`grpo`: (r - group mean) / group std; `drgrpo`: r - group mean (Dr. GRPO, no std)."""
+    advantage: Literal["grpo", "drgrpo", "opd"] = "grpo"
+    """`grpo`: (r - group mean) / group std; `drgrpo`: r - group mean (Dr. GRPO, no std); `opd`:
+    none from rewards, only the teachers' per-token signal (`distill`; on-policy distillation)."""
     clip_eps_low: float = 0.2
     """PPO clip: the ratio current/proximal is clipped below at 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -133,6 +165,9 @@ class AlgorithmConfig:
     num_minibatches: int = 1
     """Optimizer steps per train step (the batch is split); proximal log-probs are taken once at
     the start of the step, so PPO clipping bites from the second minibatch on."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: teachers score the student's sampled tokens, and coef x the
+    negated reverse KL joins each token's advantage (trainer/teachers)."""
 
     def __post_init__(self) -> None:
         _non_negative("clip_eps_low", self.clip_eps_low)
@@ -144,6 +179,11 @@ class AlgorithmConfig:
         _non_negative("kl_coef", self.kl_coef)
         _non_negative("entropy_coef", self.entropy_coef)
         _positive("num_minibatches", self.num_minibatches)
+        if self.advantage == "opd" and not (self.distill.teachers and self.distill.coef):
+            raise ValueError(
+                "advantage=opd learns from teachers alone: set algorithm.distill.teachers and a "
+                "coef > 0"
+            )
 
 
 @dataclass
@@ -316,6 +356,29 @@ class TrainerConfig:
     """Where the engines and the train backend run."""
     transfer: TransferConfig = field(default_factory=TransferConfig)
     """How each step's weights reach the engines (TransferMesh)."""
+
+    def __post_init__(self) -> None:
+        distill, mix = self.algorithm.distill, self.rollout.mix()
+        envs = set(mix) | {spec.env for spec in mix.values()}
+        for key in distill.route:
+            if key not in envs:
+                raise ValueError(
+                    f"algorithm.distill.route.{key}: not an env tag or env id of this run "
+                    f"(rollout: {', '.join(sorted(envs))})"
+                )
+        if self.algorithm.advantage == "opd":
+            unrouted = [t for t, s in mix.items() if t not in distill.route and s.env not in
+                        distill.route]  # fmt: skip
+            if unrouted:
+                raise ValueError(
+                    f"algorithm.advantage=opd: env {unrouted[0]!r} has no teacher; add it to "
+                    "algorithm.distill.route"
+                )
+            if self.rollout.filter_zero_variance:
+                raise ValueError(
+                    "algorithm.advantage=opd learns from every group (the signal is per token, "
+                    "not the reward's spread): set rollout.filter_zero_variance=false"
+                )
 
 
 def load(argv: list[str]) -> TrainerConfig:

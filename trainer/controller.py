@@ -10,9 +10,14 @@
 
 `Controller.train_step` is the algorithm, top to bottom: each group's rewards become
 advantages (`trajectory_advantages`, trainer/algorithms.py, beside the loss), the batch's
-segments become train samples, the backend takes the loss and optimizer step, the weight push
-delivers the new weights to every engine, and the version moves. `run` is the loop around it:
-wait for a batch, train, evaluate and checkpoint on schedule, log.
+segments become train samples (with teachers, each sampled token's advantage also gains its
+teacher's signal), the backend takes the loss and optimizer step, the weight push delivers the
+new weights to every engine, and the version moves. `run` is the loop around it: wait for a
+batch, train, evaluate and checkpoint on schedule, log.
+
+On-policy distillation: with `teachers` (a TeacherManager, trainer/teachers), each finished
+sample is scored by its teacher before it joins its group, so a group is complete only when
+scored, while other rollouts keep generating; scoring is batched per teacher by the manager.
 
 Admission and rollouts run as asyncio tasks next to the train loop, so generation continues
 while the trainer trains and syncs; only the staleness window holds them back:
@@ -23,9 +28,11 @@ long rollouts are trained on rather than dropped as too stale.
 
 Rollouts come from a `RolloutSource` (AgentFlow over the gateway in `trainer.run`; anything that
 returns a Trajectory in tests). A rollout that raises becomes an `error` trajectory: data, not a
-crash. Evaluation (an `Evaluator`) runs at step 0, every `eval.every` steps and at the end. One
-in mid-run does not hold the trainer: it runs beside the next train step and is awaited before
-that step's weight push (so it sees one version); its step's metrics line is written then.
+crash. Something that cannot go on (a broken teacher) raises `StopRun`: the run then saves a
+checkpoint and stops with that error, to be resumed once it is fixed. Evaluation (an
+`Evaluator`) runs at step 0, every `eval.every` steps and at the end. One in mid-run does not
+hold the trainer: it runs beside the next train step and is awaited before that step's weight
+push (so it sees one version); its step's metrics line is written then.
 
 Checkpoints hold the backend state and the controller's: the prompt stream position, the next
 group id and the prompts admitted but not yet trained (re-admitted first on resume, under their
@@ -51,7 +58,7 @@ from tqdm import tqdm
 
 from gateway.config import dump_yaml, to_dict
 from gateway.trajectory import Trajectory
-from trainer.algorithms import trajectory_advantages
+from trainer.algorithms import add_distill_advantages, distill_metrics, trajectory_advantages
 from trainer.backends import TrainBackend, train_samples
 from trainer.buffer import Batch, GroupBatcher, PromptStream, StalenessGate
 from trainer.config import TrainerConfig
@@ -71,6 +78,11 @@ BUSY = ("time/train_s", "time/weight_sync_s", "time/checkpoint_s")
 """Phases in which the trainer works; the rest of a step it waits (for rollouts, evaluation)."""
 
 
+class StopRun(Exception):
+    """Raised by a part the run cannot go on without (a teacher that broke): the controller
+    checkpoints and stops with it."""
+
+
 class RolloutSource(Protocol):
     async def rollout(
         self, prompt: Any, *, group_id: int, sample_index: int, seed: int
@@ -83,6 +95,14 @@ class Evaluator(Protocol):
     async def evaluate(self, step: int) -> dict[str, float]:
         """Held-out evaluation with the engines' current weights, e.g. {"eval/success_rate": x}."""
         ...
+
+
+class Teachers(Protocol):
+    async def score(self, traj: Trajectory) -> None:
+        """Attach its teacher's logprobs to the trajectory's segments; StopRun if one broke."""
+        ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 def resolve_run_dir(cfg: TrainerConfig) -> Path:
@@ -110,6 +130,7 @@ class Controller:
         evaluator: Evaluator | None = None,
         decode: Callable[[list[int]], str] | None = None,
         run_dir: Path | None = None,
+        teachers: Teachers | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
@@ -118,6 +139,7 @@ class Controller:
         self.prompts = prompts or PromptStream(seed=cfg.run.seed)
         self.evaluator = evaluator
         self.decode = decode
+        self.teachers = teachers
         self.run_dir = Path(run_dir) if run_dir is not None else resolve_run_dir(cfg)
         r = cfg.rollout
         self.gate = StalenessGate(r.batch_size, r.max_staleness)
@@ -135,6 +157,7 @@ class Controller:
         self._cond = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
         self._admission_error: Exception | None = None
+        self._stopped: StopRun | None = None
         self._last_step_end = 0.0
         self.log: MetricsLogger | None = None
         self.samples: SamplesLog | None = None
@@ -172,6 +195,12 @@ class Controller:
                     summary.record(metrics, evaluation)
                     self.log.log(self.version, metrics)
                 self._show_progress(bar, metrics, summary.eval_last)
+        except StopRun as e:
+            await self._checkpoint()
+            raise type(e)(
+                f"{e}\nThe run stopped at step {self.version} with a checkpoint; once fixed, "
+                f"resume with run.resume=auto run.dir={self.run_dir}"
+            ) from e
         finally:
             bar.close()
             if pending is not None:
@@ -183,9 +212,14 @@ class Controller:
     async def train_step(self, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
         """One step of the algorithm on `batch`; returns its metrics. An evaluation of the
         current weights still running is awaited before they are replaced."""
+        algorithm = self.cfg.algorithm
         rewards = [group.rewards for group in batch.groups]
-        advantages = trajectory_advantages(rewards, self.cfg.algorithm.advantage)
+        advantages = trajectory_advantages(rewards, algorithm.advantage)
         samples = train_samples(batch, advantages)
+        distill = {}
+        if self.teachers is not None:  # on-policy distillation: each token learns from its teacher
+            add_distill_advantages(samples, algorithm.distill.coef)
+            distill = distill_metrics(batch) | self.teachers.metrics()
         with timer("time/train_s"):  # the policy loss and the optimizer step, in the backend
             train_metrics = await asyncio.to_thread(self.backend.train_step, samples)
         if self._running_eval is not None:
@@ -194,7 +228,7 @@ class Controller:
             report = await self.push.push(self.version + 1)
         await self._set_version(self.version + 1)
         self.samples.write(self.version, batch.trajectories)
-        return batch.metrics() | train_metrics | report.metrics() | self.batcher.metrics()
+        return batch.metrics() | distill | train_metrics | report.metrics() | self.batcher.metrics()
 
     async def _set_version(self, version: int) -> None:
         """The policy moved: the staleness window moves with it."""
@@ -309,6 +343,16 @@ class Controller:
                 reason=f"{type(e).__name__}: {e}",
             )
         traj.metadata.setdefault("sample_index", sample_index)
+        if self.teachers is not None and traj.status == "ok":
+            try:
+                await self.teachers.score(traj)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # no sample can be scored: the train loop stops
+                async with self._cond:
+                    self._stopped = e if isinstance(e, StopRun) else StopRun(f"scoring: {e!r}")
+                    self._cond.notify_all()
+                return
         if traj.status != "ok":
             log.warning(
                 "rollout %s %s, not trained on: %s", traj.session_id, traj.status, traj.reason
@@ -334,6 +378,8 @@ class Controller:
                     return self.batcher.pop_batch(self.version)
                 if self._admission_error is not None:
                     raise RuntimeError("admitting rollouts failed") from self._admission_error
+                if self._stopped is not None:
+                    raise self._stopped
                 await self._cond.wait()
 
     async def _stop_rollouts(self, admission: asyncio.Task) -> None:

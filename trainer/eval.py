@@ -10,7 +10,8 @@ training forces the rollout temperature. One metric set for every agent kind: `e
 (reward >= 1), `eval/mean_reward`, `eval/mean_turns` (model calls in the session),
 `eval/mean_tokens` (generated tokens) and `eval/aborted_frac` (episodes that did not end `ok`,
 scored 0). The trainer's periodic evaluation (`FlowEvaluator`) and this command are the same
-`evaluate`.
+`evaluate`. A run on several envs (`rollout.envs`) evaluates each env's split, `eval.n` tasks
+each, as `eval/<tag>/success_rate` etc., and reports their mean under the plain names.
 
 `python -m envs.eval` (the older name, same keys) hands its command line to this module: envs
 import nothing of the trainer, and evaluation is trainer rollouts.
@@ -64,9 +65,9 @@ class EvalResult:
             errors=errors,
         )
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
         fields = ("success_rate", "mean_reward", "mean_turns", "mean_tokens", "aborted_frac")
-        return {f"eval/{name}": getattr(self, name) for name in fields}
+        return {f"{prefix}/{name}": getattr(self, name) for name in fields}
 
     def line(self) -> str:
         return (
@@ -83,21 +84,23 @@ async def evaluate(
     temperature: float = 0.0,
     concurrency: int = 16,
     progress: bool = False,
+    tag: str | None = None,
 ) -> EvalResult:
-    """Play the first `n` tasks of the eval split (None: all of them) through `flow`."""
-    probe = flow.make_env()
+    """Play the first `n` tasks of the eval split (None: all of them) of `tag`'s env (default:
+    the first or only one) through `flow`."""
+    probe = flow.make_env(tag)
     size = len(probe.unwrapped.eval_tasks())
     probe.close()
     count = size if n is None else min(n, size)
     if count <= 0:
-        raise ValueError(f"n must be >= 1 (the eval split of {flow.rollout_cfg.env} has {size})")
+        raise ValueError(f"n must be >= 1 (the eval split of {probe.spec.id} has {size})")
     limit = asyncio.Semaphore(concurrency)
     bar = tqdm(total=count, desc="eval", disable=not progress, file=sys.stderr)
 
     async def one(index: int) -> Trajectory:
         async with limit:
             options = {"split": "eval", "index": index}
-            traj = await flow.rollout(None, options=options, temperature=temperature)
+            traj = await flow.rollout(None, options=options, temperature=temperature, tag=tag)
             bar.update(1)
             return traj
 
@@ -108,7 +111,7 @@ async def evaluate(
 
 
 class FlowEvaluator:
-    """The controller's Evaluator: `eval.n` eval tasks through the run's AgentFlow."""
+    """The controller's Evaluator: `eval.n` eval tasks of each env through the run's AgentFlow."""
 
     def __init__(self, flow: AgentFlow, cfg: EvalConfig) -> None:
         self.flow = flow
@@ -117,13 +120,24 @@ class FlowEvaluator:
     async def evaluate(self, step: int) -> dict[str, float]:
         if self.cfg.n == 0:
             return {}
-        result = await evaluate(
-            self.flow,
-            self.cfg.n,
-            temperature=self.cfg.temperature,
-            concurrency=self.cfg.concurrency,
-        )
-        return result.metrics()
+        results = {
+            tag: await evaluate(
+                self.flow,
+                self.cfg.n,
+                temperature=self.cfg.temperature,
+                concurrency=self.cfg.concurrency,
+                tag=tag,
+            )
+            for tag in self.flow.envs
+        }
+        if len(results) == 1:
+            return next(iter(results.values())).metrics()
+        out: dict[str, float] = {}
+        for tag, result in results.items():
+            out |= result.metrics(f"eval/{tag}")
+        for key in next(iter(results.values())).metrics():
+            out[key] = sum(r.metrics()[key] for r in results.values()) / len(results)
+        return out
 
 
 @dataclass
@@ -155,12 +169,18 @@ class EvalCommandConfig:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
 
+    def rollout(self) -> RolloutConfig:
+        return RolloutConfig(
+            env=self.env,
+            env_kwargs=self.env_kwargs,
+            max_tokens=self.max_tokens,
+            max_turns=self.max_turns,
+        )
+
 
 async def _main(cfg: EvalCommandConfig) -> EvalResult:
     gateway = Gateway.from_config(GatewayConfig(model=cfg.model, engine=cfg.engine, auth="keys"))
-    rollout = RolloutConfig(
-        env=cfg.env, env_kwargs=cfg.env_kwargs, max_tokens=cfg.max_tokens, max_turns=cfg.max_turns
-    )
+    rollout = cfg.rollout()
     try:
         async with gateway_socket(gateway) as socket:
             flow = AgentFlow(gateway, rollout, cfg.agent, gateway_socket=socket)
@@ -178,7 +198,7 @@ async def _main(cfg: EvalCommandConfig) -> EvalResult:
 def main(argv: list[str] | None = None, prog: str = "trainer.eval") -> None:
     try:
         cfg = parse_cli(EvalCommandConfig, sys.argv[1:] if argv is None else argv)
-        AgentFlow.check(cfg.env, cfg.agent)
+        AgentFlow.check(cfg.rollout(), cfg.agent)
     except (ValueError, gym.error.Error) as e:
         raise SystemExit(f"{prog}: {e}") from None
     start = time.monotonic()

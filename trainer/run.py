@@ -15,8 +15,9 @@ Ray actors (one per rank: tensor x pipeline x data parallel), and so does each e
 its kind is a client of servers elsewhere (`remote`, e.g. SGLang); trainer/cluster.py places
 them, on this machine or on the cluster at `ray.address`.
 The gateway also listens on a Unix socket in a private temporary folder: the only way out of
-the sandboxes of black-box agents. `--help` lists every key with its help text;
-`recipe=quickstart` is the CPU default.
+the sandboxes of black-box agents. With `algorithm.distill.teachers`, teachers made by recipes
+are made first (child runs, cached), and a TeacherManager scores every sample in this process.
+`--help` lists every key with its help text; `recipe=quickstart` is the CPU default.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ from trainer.agentflow import AgentFlow, gateway_socket
 from trainer.backends import TrainBackend, make_backend
 from trainer.buffer import PromptStream
 from trainer.config import TrainerConfig, load
-from trainer.controller import Controller
+from trainer.controller import Controller, StopRun
 from trainer.eval import FlowEvaluator
 from trainer.metrics import Summary
+from trainer.teachers.make import teacher_models
+from trainer.teachers.manager import TeacherManager
 from trainer.transfer import TransferMesh
 
 
@@ -116,8 +119,9 @@ def resolve_dtype(cfg: TrainerConfig) -> str:
 
 async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
     """Run `cfg` to the end; everything started here is stopped before returning."""
-    AgentFlow.check(cfg.rollout.env, cfg.agent)  # before loading anything
+    AgentFlow.check(cfg.rollout, cfg.agent)  # before loading anything
     print(resolve_dtype(cfg), file=sys.stderr, flush=True)
+    teacher_paths = teacher_models(cfg.algorithm.distill)  # runs recipes of uncached teachers
     model_path = resolve_model(cfg.model.name)
     asyncio.get_running_loop().set_default_executor(DaemonThreads())
     async with contextlib.AsyncExitStack() as stack:
@@ -133,6 +137,10 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
         stack.push_async_callback(gateway.aclose)
         socket = await stack.enter_async_context(gateway_socket(gateway))
         flow = AgentFlow(gateway, cfg.rollout, cfg.agent, gateway_socket=socket)
+        teachers = None
+        if cfg.algorithm.distill.teachers:
+            teachers = TeacherManager(cfg.algorithm.distill, teacher_paths)
+            stack.push_async_callback(teachers.close)
         controller = Controller(
             cfg,
             backend,
@@ -142,6 +150,7 @@ async def train(cfg: TrainerConfig, run_dir: Path | None = None) -> Summary:
             evaluator=FlowEvaluator(flow, cfg.eval),
             decode=AutoTokenizer.from_pretrained(model_path).decode,
             run_dir=run_dir,
+            teachers=teachers,
         )
         return await controller.run()
 
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load(sys.argv[1:] if argv is None else argv)
         summary = asyncio.run(train(cfg))
-    except (ConfigError, gym.error.Error) as e:
+    except (ConfigError, gym.error.Error, StopRun) as e:
         raise SystemExit(f"trainer.run: {e}") from None
     except KeyboardInterrupt:
         raise SystemExit(

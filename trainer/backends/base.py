@@ -1,6 +1,6 @@
 """What the controller needs from whatever holds the weights and the optimizer.
 
-A backend takes `TrainSample`s (token ids, loss mask, behaviour log-probs, advantage), runs one
+A backend takes `TrainSample`s (token ids, loss mask, behaviour log-probs, advantages), runs one
 train step with the one loss of `trainer.algorithms`, hands its weights to the weight push and
 saves/loads resumable checkpoints and final HF folders. `train_samples` turns a batch and its
 advantages (computed in `trainer.algorithms`) into samples. What every backend does the same
@@ -25,15 +25,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainSample:
-    """One segment to train on, with its trajectory's advantage."""
+    """One segment to train on, with its advantage."""
 
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
     """Behaviour log-probs (the engine's), aligned with token_ids; 0.0 where loss_mask is 0."""
-    advantage: float
+    advantage: float | list[float]
+    """Its trajectory's advantage, for every token; or one per token, aligned with token_ids
+    (on-policy distillation: `trainer.algorithms.add_distill_advantages`)."""
     versions: list[int] = field(default_factory=list)
     """Weight version that sampled each token (-1 where loss_mask is 0); empty: all fresh."""
+    teacher_logprobs: list[float] | None = None
+    """The segment's `teacher_logprobs`, when a teacher scored it."""
 
     def lags(self, version: int) -> list[int]:
         """How many versions behind `version` (the weights being trained) each token was
@@ -41,6 +45,12 @@ class TrainSample:
         if not self.versions:
             return [0] * len(self.token_ids)
         return [version - v if v >= 0 else 0 for v in self.versions]
+
+    def token_advantages(self) -> list[float]:
+        """One advantage per token."""
+        if isinstance(self.advantage, list):
+            return self.advantage
+        return [self.advantage] * len(self.token_ids)
 
 
 def train_samples(batch: Batch, advantages: list[list[float]]) -> list[TrainSample]:
@@ -52,7 +62,14 @@ def train_samples(batch: Batch, advantages: list[list[float]]) -> list[TrainSamp
             for seg in traj.segments:
                 if any(seg.loss_mask):
                     samples.append(
-                        TrainSample(seg.token_ids, seg.loss_mask, seg.logprobs, a, seg.versions)
+                        TrainSample(
+                            seg.token_ids,
+                            seg.loss_mask,
+                            seg.logprobs,
+                            a,
+                            seg.versions,
+                            seg.teacher_logprobs,
+                        )
                     )
     return samples
 

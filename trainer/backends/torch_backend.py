@@ -337,8 +337,7 @@ class TorchBackend:
                 mask = self._pad([s.loss_mask for s in rows], 0, torch.float32)
                 behaviour = self._pad([s.logprobs for s in rows], 0.0, torch.float32)
                 lag = self._pad([s.lags(self._step) for s in rows], 0, torch.long)
-                adv = torch.tensor([s.advantage for s in rows], device=self.device)
-                adv = adv[:, None].expand_as(mask)
+                adv = self._pad([s.token_advantages() for s in rows], 0.0, torch.float32)
                 with self._autocast():
                     logp, entropy, logits = token_logprobs(
                         self.model,

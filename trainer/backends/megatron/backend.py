@@ -367,7 +367,7 @@ class MegatronBackend:
             else:
                 select = pad_rows([[1] * len(s.token_ids) for s in rows], 0, torch.long)
                 select = select[:, 1:] > 0
-            adv = torch.tensor([s.advantage for s in rows])[:, None].expand_as(mask)
+            adv = pad_rows([s.token_advantages() for s in rows], 0.0, torch.float32)
             batch = _MicroBatch(
                 index=mb,
                 lengths=[len(s.token_ids) for s in rows],
@@ -376,7 +376,7 @@ class MegatronBackend:
                 select=select,
                 mask=mask,
                 behaviour=pad_rows([s.logprobs for s in rows], 0.0, torch.float32),
-                advantages=adv.contiguous(),
+                advantages=adv,
                 lag=pad_rows([s.lags(self._step) for s in rows], 0, torch.long),
             )
             out.append(self._to_device(batch))
