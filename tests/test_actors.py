@@ -153,9 +153,14 @@ async def test_mesh_serves_the_backends_weights(ray_local, backend, tiny_model_p
     assert report.seconds > 0 and report.gb_per_s > 0
 
     after = await receiver.generate(PROMPT, GREEDY)
-    async with LocalEngine(tiny_model_path) as local:
-        await local.update_weights(state, version)
-        want = await local.generate(PROMPT, GREEDY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine actor (one Ray CPU): MKL then sums in the same order
+    try:
+        async with LocalEngine(tiny_model_path) as local:
+            await local.update_weights(state, version)
+            want = await local.generate(PROMPT, GREEDY)
+    finally:
+        torch.set_num_threads(threads)
     assert after.output_ids == want.output_ids
     assert after.output_logprobs == want.output_logprobs  # the same weights, bit for bit
     # The tiny random model may keep its greedy tokens after one step; its log-probs move.
