@@ -64,7 +64,7 @@ async def test_push_makes_the_engine_score_like_the_trainer(tiny_model_path):
             {"engine": "engine0", "route": "in_process", "version": 1, "error": ""}
         ]
         for name, tensor in backend.state_dict().items():  # in_process: the very same values
-            assert torch.equal(engine.model.state_dict()[name], tensor), name
+            assert torch.equal(engine.weights()[name], tensor), name
     want = backend.logprobs([TrainSample(SEQ, [1] * len(SEQ), [0.0] * len(SEQ), 0.0)])[0][1:]
     assert torch.allclose(torch.tensor(after), torch.tensor(want), atol=1e-4)
     assert not torch.allclose(torch.tensor(before), torch.tensor(want), atol=1e-4)

@@ -65,7 +65,7 @@ def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 
 async def weights_of(engine) -> dict[str, torch.Tensor]:
     """Next to the engine: its weights, by HF name."""
-    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in engine.weights().items()}
 
 
 async def remote_weights(engine) -> dict[str, torch.Tensor]:

@@ -213,6 +213,11 @@ class LocalEngine:
     def max_context(self) -> int:
         return self._max_context
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """HF state-dict name -> the live tensor this engine serves (a view into its fused
+        buffers for the lean forward): what a weight swap writes, for inspection."""
+        return dict(self._weights)
+
     @property
     def load(self) -> int:
         with self._lock:
