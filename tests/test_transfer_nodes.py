@@ -105,7 +105,7 @@ async def test_an_engine_on_another_node_gets_a_broadcast(two_nodes, tiny_model_
 
 
 async def _weights(engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in engine.weights().items()}
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
