@@ -109,7 +109,8 @@ async def test_smollm2_agent_with_tool(smollm2_path, api):
             assert api == "responses" and "max_output_tokens" in str(e), e
             cut = True
         traj = await gw.close_session(sid)
-        assert (traj.turns[-1].finish_reason == "length") == cut
+        if cut:  # (chat's SDK returns a cut reply as it is: its turn may say `length` too)
+            assert traj.turns[-1].finish_reason == "length"
         assert [t.finish_reason for t in traj.turns][0] == "tool_calls"
         records = engine.of_session(sid)
         assert len(records) == 2
