@@ -26,7 +26,7 @@ services:
 	bash scripts/test_services.sh $(PY)
 
 test: setup services
-	$(PY) -m pytest -m "" -q
+	$(PY) -m pytest -m "" -q --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q

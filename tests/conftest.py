@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import torch
@@ -44,3 +45,14 @@ def renderer(tiny_model_path):
     from gateway.render import load_renderer
 
     return load_renderer(tiny_model_path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running(request):
+    """A module that leaves Ray running hands the next module a Ray of the wrong size (whose
+    actors then wait for CPUs forever): shut it down and fail the module that did."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.module.__name__} left Ray running: shut it down in a fixture")

@@ -56,12 +56,8 @@ def test_a_stopped_run_does_not_wait_for_a_call_in_flight():
 async def test_two_step_run_writes_a_complete_run_dir(tmp_path, capsys, ray, replicas):
     more = ["ray.num_cpus=4"] if replicas > 1 else []
     cfg = load(["recipe=tiny", f"ray.enabled={ray}", f"engine.replicas={replicas}", *more])
-    if ray:  # train() starts a Ray of ray.num_cpus only if none runs in this process yet
-        ray_lib.shutdown()
-    try:
-        summary = await train(cfg, run_dir=tmp_path)
-    finally:
-        ray_lib.shutdown()
+    summary = await train(cfg, run_dir=tmp_path)
+    assert not ray_lib.is_initialized()  # the Ray a run starts ends with it
     plan = capsys.readouterr().out
     route = "shm" if ray else "in_process"
     plan = plan[plan.index("TransferMesh: weights from") :]

@@ -41,15 +41,16 @@ from trainer.transfer.endpoints import ScriptedReads, follow_reads, source_devic
 log = logging.getLogger(__name__)
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Start (or join) Ray once per process; later calls do nothing.
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Start (or join) Ray once per process; later calls do nothing. True when this call
+    started (or joined) it: the caller then owns it and shuts it down (`ray.shutdown()`).
 
     `address=None` starts a local Ray with `num_cpus` CPUs (default 2), no dashboard, no usage
     stats and warnings-only logs; otherwise joins the cluster at `address` (e.g. `"auto"` or
     `"head:6379"`), where `num_cpus` is ignored (the cluster owns its resources) and every node
     needs this package installed, since actors import `gateway` and `trainer`."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address is None:
         ray.init(
@@ -59,6 +60,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         )
     else:
         ray.init(address=address, logging_level=logging.WARNING)
+    return True
 
 
 def _cause(exc: RayTaskError) -> BaseException:

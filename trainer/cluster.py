@@ -41,9 +41,10 @@ from trainer.actors import BackendActor, RayBackend, RayEngine, _cause, init_ray
 from trainer.config import RayConfig, TrainerConfig
 
 
-def init(cfg: RayConfig) -> None:
-    """Join `cfg.address`, or start a local Ray of `cfg.num_cpus` CPUs (once per process)."""
-    init_ray(cfg.address, cfg.num_cpus)
+def init(cfg: RayConfig) -> bool:
+    """Join `cfg.address`, or start a local Ray of `cfg.num_cpus` CPUs (once per process);
+    True when this call did (the caller shuts it down)."""
+    return init_ray(cfg.address, cfg.num_cpus)
 
 
 def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:

@@ -66,7 +66,8 @@ async def engines_and_backend(
             from trainer import cluster
 
             check_ray_cpus(cfg, remote)
-            cluster.init(cfg.ray)
+            if cluster.init(cfg.ray):  # a Ray this run started ends with it, after its actors
+                stack.callback(cluster.ray.shutdown)
         if cfg.ray.enabled and not remote:
             engines: list[Engine] = [
                 await stack.enter_async_context(cluster.placed_engine(cfg, replica, model_path))
