@@ -172,7 +172,10 @@ class Engine(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         session_id: str | None = None,
-    ) -> Generation: ...
+    ) -> Generation:
+        """The whole of `stream`; this default (`collect`) is inherited by a class that
+        subclasses Engine, others write their own."""
+        return await collect(self.stream(input_ids, params, request_id, session_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason `abort`. Unknown ids are ignored."""
@@ -203,12 +206,12 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
-class DelegatingEngine:
+class DelegatingEngine(Engine):
     """An Engine that hands every call to `inner`; a subclass overrides what it changes.
 
-    `generate` collects this engine's own `stream`, so overriding `stream` is enough to see (or
-    alter) every generation. What lies beyond the protocol (`connect`, `placement`, `run`, ...)
-    is the inner engine's too."""
+    `generate` is Engine's: it collects this engine's own `stream`, so overriding `stream` is
+    enough to see (or alter) every generation. What lies beyond the protocol (`connect`,
+    `placement`, `run`, ...) is the inner engine's too."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
@@ -237,15 +240,6 @@ class DelegatingEngine:
         session_id: str | None = None,
     ) -> AsyncIterator[Chunk]:
         return self.inner.stream(input_ids, params, request_id, session_id)
-
-    async def generate(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        session_id: str | None = None,
-    ) -> Generation:
-        return await collect(self.stream(input_ids, params, request_id, session_id))
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
