@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from gateway.engines.base import Chunk, Engine, Generation, SamplingParams, collect
+from gateway.engines.base import Chunk, DelegatingEngine, Engine, SamplingParams
 from gateway.trajectory import Trajectory
 
 
@@ -37,27 +36,13 @@ class Record:
     """None when the caller stopped reading before the last chunk."""
 
 
-class RecordingEngine:
-    """An Engine that forwards everything to `inner` and records each generation request."""
+class RecordingEngine(DelegatingEngine):
+    """An Engine that forwards everything to `inner` and records each generation request
+    (`generate` goes through `stream`: `DelegatingEngine`)."""
 
     def __init__(self, inner: Engine) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.records: list[Record] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
-
-    @property
-    def max_context(self) -> int:
-        return self.inner.max_context
-
-    @property
-    def load(self) -> int:
-        return self.inner.load
 
     async def stream(
         self,
@@ -78,15 +63,6 @@ class RecordingEngine:
                 yield chunk
         finally:
             await inner.aclose()  # type: ignore[attr-defined]
-
-    async def generate(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        session_id: str | None = None,
-    ) -> Generation:
-        return await collect(self.stream(input_ids, params, request_id, session_id))
 
     def of_session(self, session_id: str) -> list[Record]:
         return [r for r in self.records if r.session_id == session_id]

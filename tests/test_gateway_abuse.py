@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.engines.base import MIN_TEMPERATURE, EngineError, SamplingParams
+from gateway.engines.base import MIN_TEMPERATURE, DelegatingEngine, EngineError, SamplingParams
 from gateway.server import Gateway, GatewayConfig, RequestLimits
 from gateway.server.auth import open_session_id
 from gateway.trajectory import TrajectoryLog, read_trajectories
@@ -158,13 +158,7 @@ async def test_engine_error_fails_only_its_own_request(engine, renderer, tiny_mo
     """An engine error on one request (e.g. a row whose logits went non-finite) ends that
     request alone, as a clean error; the bystander's stream and request go on."""
 
-    class OneRowFails:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
+    class OneRowFails(DelegatingEngine):
         async def stream(self, ids, params, request_id=None, session_id=None):
             async for i, chunk in _enumerate(self.inner.stream(ids, params, request_id)):
                 if params.seed == 666 and i == 1:

@@ -15,6 +15,7 @@ import pytest
 from fake_sglang import serve_fake
 
 from gateway.engines import EngineConfig, make_engine
+from gateway.engines.base import DelegatingEngine, Engine, SamplingParams
 from gateway.engines.local import LocalEngine
 from gateway.server import Gateway, GatewayConfig
 
@@ -34,6 +35,31 @@ async def test_make_local_engine(tiny_model_path):
         assert isinstance(engine, LocalEngine) and engine.max_context == 512
     finally:
         await engine.close()
+
+
+async def test_a_delegating_engine_forwards_the_protocol(engine):
+    """Every call of a `DelegatingEngine` reaches the inner engine, and its `generate` goes
+    through its own `stream`, so a subclass that overrides `stream` sees every generation."""
+    seen = []
+
+    class Watching(DelegatingEngine):
+        def stream(self, input_ids, params, request_id=None, session_id=None):
+            seen.append(list(input_ids))
+            return super().stream(input_ids, params, request_id, session_id)
+
+    wrapped = Watching(engine)
+    assert isinstance(wrapped, Engine)
+    params = SamplingParams(max_tokens=5, temperature=0)
+    ours = await wrapped.generate([1, 2, 3], params)
+    assert ours.output_ids == (await engine.generate([1, 2, 3], params)).output_ids
+    assert seen == [[1, 2, 3]]
+    assert (wrapped.weight_version, wrapped.max_context) == (
+        engine.weight_version,
+        engine.max_context,
+    )
+    assert await wrapped.score([[1, 2, 3]], [1]) == await engine.score([[1, 2, 3]], [1])
+    assert await wrapped.health() and wrapped.load == 0
+    assert wrapped.weights().keys() == engine.weights().keys()  # beyond the protocol
 
 
 async def test_gateway_over_sglang_router(renderer, tiny_model_path):

@@ -16,9 +16,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     Qwen2Config,
-    Qwen2ForCausalLM,
     Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from envs import Task, ToolEnv
@@ -49,15 +47,27 @@ BATCH = [
 ]
 
 
-def _save_random(model_cls, config, tokenizer_from, out):
+def _tiny_random(tmp_path_factory, tokenizer_from, config_cls, **config):
+    """A tiny random model of `config_cls` (with `config` on top of the shared sizes), saved with
+    `tokenizer_from`'s tokenizer files."""
+    config = config_cls(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **config,
+    )
     torch.manual_seed(1)
-    model = model_cls(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     with torch.no_grad():  # norms start at 1; make them differ so a swapped norm shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+    out = tmp_path_factory.mktemp(config.model_type)
     model.save_pretrained(out)
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -68,35 +78,17 @@ def _save_random(model_cls, config, tokenizer_from, out):
 @pytest.fixture(scope="session")
 def qwen2_path(tmp_path_factory, tiny_model_path):
     """A tiny random Qwen2: q/k/v biases, untied output layer."""
-    config = Qwen2Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_theta=1e6,
+    return _tiny_random(
+        tmp_path_factory, tiny_model_path, Qwen2Config, tie_word_embeddings=False, rope_theta=1e6
     )
-    out = tmp_path_factory.mktemp("qwen2")
-    return _save_random(Qwen2ForCausalLM, config, tiny_model_path, out)
 
 
 @pytest.fixture(scope="session")
 def qwen3_path(tmp_path_factory, tiny_model_path):
     """A tiny random Qwen3: q/k norms, head_dim != hidden / heads, tied embeddings."""
-    config = Qwen3Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
+    return _tiny_random(
+        tmp_path_factory, tiny_model_path, Qwen3Config, head_dim=32, tie_word_embeddings=True
     )
-    out = tmp_path_factory.mktemp("qwen3")
-    return _save_random(Qwen3ForCausalLM, config, tiny_model_path, out)
 
 
 def megatron(path, algorithm=None, **train):

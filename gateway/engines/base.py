@@ -7,7 +7,8 @@ token ids only; rendering chat messages is the gateway's job.
 Every method is async: the gateway awaits them on its event loop, and Ray actors run async
 methods natively. Generation is a stream of `Chunk`s (one or more new tokens each, with their
 behaviour log-probs and the weight version that produced each); the last chunk carries the
-`finish_reason`. `generate` collects a stream into one `Generation`.
+`finish_reason`. `generate` collects a stream into one `Generation`. `DelegatingEngine` is the
+base of an engine that wraps another and changes some of its calls (tests record or break them).
 """
 
 from __future__ import annotations
@@ -171,7 +172,10 @@ class Engine(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         session_id: str | None = None,
-    ) -> Generation: ...
+    ) -> Generation:
+        """The whole of `stream`; this default (`collect`) is inherited by a class that
+        subclasses Engine, others write their own."""
+        return await collect(self.stream(input_ids, params, request_id, session_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason `abort`. Unknown ids are ignored."""
@@ -200,6 +204,63 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class DelegatingEngine(Engine):
+    """An Engine that hands every call to `inner`; a subclass overrides what it changes.
+
+    `generate` is Engine's: it collects this engine's own `stream`, so overriding `stream` is
+    enough to see (or alter) every generation. What lies beyond the protocol (`connect`,
+    `placement`, `run`, ...) is the inner engine's too."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks: the inner engine's own extras.
+        return getattr(self.inner, name)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @property
+    def max_context(self) -> int:
+        return self.inner.max_context
+
+    @property
+    def load(self) -> int:
+        return self.inner.load
+
+    def stream(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[Chunk]:
+        return self.inner.stream(input_ids, params, request_id, session_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
+        return await self.inner.score(sequences, start)
+
+    async def pause(self, mode: PauseMode = "in_place") -> None:
+        await self.inner.pause(mode)
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.inner.update_weights(state, version)
+
+    async def health(self) -> bool:
+        return await self.inner.health()
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> Generation:

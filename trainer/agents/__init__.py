@@ -39,10 +39,13 @@ class Session:
 
 
 class Agent(Protocol):
+    """The kinds here subclass it (so a type checker holds them to it, and a kind with nothing to
+    check inherits `preflight`); a kind registered from elsewhere only needs the same methods."""
+
     @staticmethod
     def preflight(cfg: AgentConfig) -> None:
-        """Raise a ConfigError, before a run loads anything, when this agent cannot run here."""
-        ...
+        """Raise a ConfigError, before a run loads anything, when this agent cannot run here;
+        by default there is nothing to check."""
 
     async def play(
         self,

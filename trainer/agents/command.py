@@ -24,11 +24,11 @@ import gymnasium as gym
 from envs.agent import Episode
 from gateway.config import ConfigError
 from sandbox import Stopper, run_once, unavailable
-from trainer.agents import Session
+from trainer.agents import Agent, Session
 from trainer.config import AgentConfig, RolloutConfig
 
 
-class CommandAgent:
+class CommandAgent(Agent):
     def __init__(
         self, cfg: AgentConfig, rollout: RolloutConfig, *, gateway_socket: str | None = None
     ) -> None:

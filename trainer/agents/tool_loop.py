@@ -10,19 +10,15 @@ from typing import Any
 import gymnasium as gym
 
 from envs.agent import Episode, run_tool_episode
-from trainer.agents import Session
+from trainer.agents import Agent, Session
 from trainer.config import AgentConfig, RolloutConfig
 
 
-class ToolLoopAgent:
+class ToolLoopAgent(Agent):
     def __init__(
         self, cfg: AgentConfig, rollout: RolloutConfig, *, gateway_socket: str | None = None
     ) -> None:
         self.rollout = rollout
-
-    @staticmethod
-    def preflight(cfg: AgentConfig) -> None:
-        """Nothing to check: it runs in this process."""
 
     async def play(
         self,

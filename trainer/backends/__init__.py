@@ -3,9 +3,9 @@
 `torch` (CPU or one GPU, trainer/backends/torch_backend.py) and `megatron` (megatron-core,
 tensor/pipeline/data parallel, trainer/backends/megatron/; one rank per process, started by
 trainer/cluster.py). A kind is a lazy entry point (`gateway/registry.py`) that
-builds a `TrainBackend` (trainer/backends/base.py) from the run's `TrainerConfig`; a new one is a
-module and one `register` line here, with `parallel=True` when it runs as several ranks
-(`train.tensor_parallel` and friends).
+builds a `TrainBackend` (trainer/backends/base.py) from the run's `TrainerConfig` (both kinds
+inherit `BackendBase.from_config`); a new one is a module and one `register` line here, with
+`parallel=True` when it runs as several ranks (`train.tensor_parallel` and friends).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A backend takes `TrainSample`s (token ids, loss mask, behaviour log-probs, advan
 train step with the one loss of `trainer.algorithms`, hands its weights to the weight push and
 saves/loads resumable checkpoints and final HF folders. `train_samples` turns a batch and its
 advantages (computed in `trainer.algorithms`) into samples. What every backend does the same
-way lives here too: checking samples, packing them into micro-batches, the LR schedule, and the
-RNG state a checkpoint keeps.
+way lives here too: building from a run's config and counting steps (`BackendBase`), checking
+samples, packing them into micro-batches, the LR schedule, and the RNG state a checkpoint keeps.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 import torch
 
+from gateway.models import resolve_model
+
 if TYPE_CHECKING:
     from trainer.buffer import Batch
+    from trainer.config import TrainerConfig
 
 
 @dataclass
@@ -179,3 +182,27 @@ class TrainBackend(Protocol):
     def save_hf(self, path: Path) -> None:
         """An HF model folder (weights, config, tokenizer) loadable by transformers / SGLang."""
         ...
+
+
+class BackendBase:
+    """What the backends share: `from_config` (the registry's entry point) calls
+    `__init__(model_path, train, algorithm, *, temperature, total_steps, seed)`, and `step`
+    reads `_step`, which the subclass sets to 0 and counts up in `train_step`."""
+
+    _step: int
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> Self:
+        """The backend of a run: cfg.model trained with cfg.train."""
+        return cls(
+            resolve_model(cfg.model.name),
+            cfg.train,
+            cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            total_steps=cfg.run.steps,
+            seed=cfg.run.seed,
+        )
+
+    @property
+    def step(self) -> int:
+        return self._step

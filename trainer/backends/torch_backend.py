@@ -36,9 +36,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway import machine
-from gateway.models import resolve_model
 from trainer.algorithms import policy_loss, reduce_metrics
 from trainer.backends.base import (
+    BackendBase,
     TrainSample,
     check_samples,
     lr_factor,
@@ -47,7 +47,7 @@ from trainer.backends.base import (
     set_rng_state,
     train_dtype,
 )
-from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
+from trainer.config import AlgorithmConfig, TrainBackendConfig
 
 CHECKPOINT_FILE = "trainer.pt"
 PEAK_ROWS = 1024
@@ -194,7 +194,7 @@ def peak_gflops(shape: machine.ModelShape, dtype: torch.dtype, device: torch.dev
     )
 
 
-class TorchBackend:
+class TorchBackend(BackendBase):
     """TrainBackend on plain torch; see the module docstring."""
 
     def __init__(
@@ -237,22 +237,6 @@ class TorchBackend:
             lambda s: lr_factor(s, train.warmup_steps, total_steps, train.lr_schedule),
         )
         self._step = 0
-
-    @classmethod
-    def from_config(cls, cfg: TrainerConfig) -> TorchBackend:
-        """The backend of a run (`train.kind=torch`): cfg.model trained with cfg.train."""
-        return cls(
-            resolve_model(cfg.model.name),
-            cfg.train,
-            cfg.algorithm,
-            temperature=cfg.rollout.temperature,
-            total_steps=cfg.run.steps,
-            seed=cfg.run.seed,
-        )
-
-    @property
-    def step(self) -> int:
-        return self._step
 
     # -- forward helpers ------------------------------------------------------------------------
 

@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from gateway.models import resolve_model
 from trainer.algorithms import policy_loss, reduce_metrics
 from trainer.backends.base import (
+    BackendBase,
     TrainSample,
     check_samples,
     lr_factor,
@@ -78,7 +78,7 @@ from trainer.backends.megatron.model import (
     transformer_config,
     use_transformer_engine,
 )
-from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
+from trainer.config import AlgorithmConfig, TrainBackendConfig
 from trainer.transfer.buckets import TensorSpec, dtype_name
 
 CHECKPOINT_DIR = "megatron"
@@ -167,7 +167,7 @@ class _HFReader:
         return self.where[name].get_tensor(name)
 
 
-class MegatronBackend:
+class MegatronBackend(BackendBase):
     """TrainBackend on megatron-core, one rank of it; see the module docstring."""
 
     def __init__(
@@ -252,22 +252,6 @@ class MegatronBackend:
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self._step = 0
         self._select: torch.Tensor | None = None
-
-    @classmethod
-    def from_config(cls, cfg: TrainerConfig) -> MegatronBackend:
-        """The backend of a run (`train.kind=megatron`): cfg.model trained with cfg.train."""
-        return cls(
-            resolve_model(cfg.model.name),
-            cfg.train,
-            cfg.algorithm,
-            temperature=cfg.rollout.temperature,
-            total_steps=cfg.run.steps,
-            seed=cfg.run.seed,
-        )
-
-    @property
-    def step(self) -> int:
-        return self._step
 
     # -- building -------------------------------------------------------------------------------
 
