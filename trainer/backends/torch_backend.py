@@ -172,15 +172,16 @@ def token_logprobs(
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap:  # Gemma-2 style models cap logits before sampling
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    # log_softmax: one fused kernel each way over [N, V] (logsumexp and a subtraction took
+    # ~1.5x as long, forward + backward, on the 2-core EPYC).
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    picked = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     shape = (len(rows), width - 1)
     logp = torch.zeros(shape, dtype=picked.dtype, device=picked.device)
     logp = torch.nn.functional.pad(logp.masked_scatter(select, picked), (1, 0))
     entropy = None
     if with_entropy:
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
         entropy = torch.zeros(shape, dtype=ent.dtype, device=ent.device).masked_scatter(select, ent)
         entropy = torch.nn.functional.pad(entropy, (1, 0))
     return logp, entropy, int(index.numel())
@@ -229,6 +230,12 @@ class TorchBackend:
         if algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        if head is not None and embed.weight is head.weight:
+            # The lookup's gradient as sparse rows, added onto the LM head's dense one (the
+            # head is in every backward, with no loss position too, so the sum is dense): no
+            # dense [vocab, hidden] zeros + scatter + add, ~15% of a quickstart step here.
+            embed.sparse = True
         # fused: one kernel over all parameters, ~9x the per-parameter loop on a 2-core EPYC
         # (SmolLM2's 135M parameters, 1 thread: 0.23 s a step instead of 2.1 s).
         self.optimizer = torch.optim.AdamW(
