@@ -18,6 +18,10 @@ take (`machine.generation_seconds`: FLOPs and weight bytes counted from the mode
 printed too; a decode step reads its weights, it does not copy them. "GFLOP/s" is the workload's counted FLOPs
 over the wall time.
 
+On a machine shared with other jobs, run `--threads 1`: with 2 torch threads and the cores
+busy, each small op of a decode step waits for a descheduled OpenMP thread (measured: a
+batch-1 step ~10x its matmuls alone), which measures the load, not the engine.
+
 Checks printed beside the speed: "same tokens" counts requests whose greedy tokens agree with
 HF's up to the engine's first EOS; "logprob err" is the largest |engine logprob - teacher-forced
 HF logprob| over every generated token.

@@ -17,7 +17,8 @@ Roofline: the matmul rate of the model's gate/up projection over 1024 tokens (wh
 counted FLOPs (`gateway.machine.ModelShape`: forward + backward of the tokens each layout
 forwards, the LM head on the loss positions) over its wall time; "of peak" divides by the
 roofline. "tokens/s" counts trained (loss) tokens, the same for both layouts: its ratio is
-the speed-up of the step.
+the speed-up of the step. On a loaded machine the fraction of peak moves with the load (the
+peak and the steps are measured at different moments); the packed/padded ratio holds.
 """
 
 from __future__ import annotations
