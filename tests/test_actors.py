@@ -195,7 +195,8 @@ async def test_mesh_serves_the_backends_weights(ray_local, backend, tiny_model_p
     routed = await router.generate(PROMPT, GREEDY, session_id="s1")
     assert routed.output_ids == want.output_ids and router.weight_version == version + 2
     await router.close()  # the actor is gone: calls are engine errors, health is False
-    with pytest.raises(EngineError, match="engine actor"):
+    # (ray.kill is asynchronous: a call just after it may still reach the closed engine)
+    with pytest.raises(EngineError, match="engine actor|engine is closed"):
         await receiver.generate(PROMPT, GREEDY)
     assert not await receiver.health()
 
