@@ -284,7 +284,7 @@ def test_misbehaving_agents_are_stopped_and_others_carry_on(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_everything_started_is_stopped(backend):
+def test_everything_started_is_stopped(backend, leftover_containers):
     """Background children outlive the command; the sandbox kills them when the run ends."""
     with open_sandbox(make_cfg(backend, timeout_s=60)) as sb:
         res = sb.run(["sh", "-c", "sleep 300 & sleep 300 & echo started"])
@@ -300,15 +300,25 @@ def test_everything_started_is_stopped(backend):
 # ---- start, stop, half-failed start ----
 
 
-def leftover_containers() -> list[str]:
-    import docker
+def sandbox_objects() -> set[str]:
+    """Every sandbox container and volume on this Docker engine (none without one)."""
+    try:
+        import docker
 
-    client = docker.from_env()
-    names = [
-        c.name for c in client.containers.list(all=True, filters={"label": "loongsage.sandbox"})
-    ]
-    names += [v.name for v in client.volumes.list(filters={"label": "loongsage.sandbox"})]
-    return names
+        client = docker.from_env()
+        label = {"label": "loongsage.sandbox"}
+        names = {c.name for c in client.containers.list(all=True, filters=label)}
+        return names | {v.name for v in client.volumes.list(filters=label)}
+    except Exception:  # noqa: BLE001 - no Docker here: the docker cases skip
+        return set()
+
+
+@pytest.fixture
+def leftover_containers():
+    """The sandbox containers and volumes this test has left so far; those that existed before
+    it (a killed earlier run's, another user's) are not its."""
+    before = sandbox_objects()
+    return lambda: sorted(sandbox_objects() - before)
 
 
 def empty_image() -> str:
@@ -339,7 +349,7 @@ def local_tmpdirs() -> set[str]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_half_failed_start_and_errors_clean_up(backend, tmp_path):
+def test_half_failed_start_and_errors_clean_up(backend, tmp_path, leftover_containers):
     before = local_tmpdirs()
     not_a_socket = tmp_path / "gw.sock"
     not_a_socket.write_text("")
@@ -469,7 +479,7 @@ time.sleep(3)  # the run is under way; the interpreter exits with the sandbox st
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sandboxes_still_open_at_exit_are_stopped(backend, tmp_path):
+def test_sandboxes_still_open_at_exit_are_stopped(backend, tmp_path, leftover_containers):
     make_cfg(backend)  # skips docker when unavailable
     kind, iso = ("docker", "auto") if backend == "docker" else ("local", backend)
     script = tmp_path / "at_exit.py"
@@ -676,7 +686,9 @@ def test_derived_image_key_covers_base_packages_and_requirements(tmp_path):
 
 
 @pytest.mark.docker
-def test_derived_image_runs_an_agent_with_its_packages(tmp_path, fake_gateway, canary_port):
+def test_derived_image_runs_an_agent_with_its_packages(
+    tmp_path, fake_gateway, canary_port, leftover_containers
+):
     """`build packages=[...]`: the base image plus an agent's packages, reused while the package
     set is the same; its agent reaches the gateway and nothing else; ro_binds work in docker."""
     import docker
