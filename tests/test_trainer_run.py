@@ -28,8 +28,9 @@ def test_a_stopped_run_does_not_wait_for_a_call_in_flight():
     CPU) does not hold a run stopped by Ctrl-C: its executor neither waits for it at shutdown nor
     is joined at exit. With asyncio's default executor this test times out."""
     script = textwrap.dedent("""
-        import asyncio, time
+        import asyncio, signal, time
         from trainer.run import DaemonThreads
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as trainer.run's main does
         def step():
             print("in flight", flush=True)
             time.sleep(3600)
@@ -180,13 +181,16 @@ async def test_the_mini_swe_agent_recipe_trains_a_step(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_a_run_and_its_sandboxes_at_once(tmp_path, sig):
     """Agents that would run for minutes do not hold the run after Ctrl-C or SIGTERM (Ray's own
-    SIGTERM handler exited from the loop and then waited for every sandbox thread)."""
+    SIGTERM handler exited from the loop and then waited for every sandbox thread). The run is
+    started as `cmd &` in a script starts it, with SIGINT ignored (both signals were then
+    ignored: SIGTERM stops the run through SIGINT's handler)."""
     marker = "587.25"  # a unique `sleep` argument: its processes are this test's agents
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.run", "recipe=tiny", f"run.dir={tmp_path}",
          "agent.kind=command", f"agent.command=[sleep, '{marker}']",
          "agent.sandbox.kind=local", "ray.enabled=true"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
 
     def agents() -> int:

@@ -194,6 +194,9 @@ def _stop_on_sigterm(stack: contextlib.AsyncExitStack) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # A shell without job control starts `cmd &` with SIGINT ignored, and SIGTERM stops the run
+    # through SIGINT's handler: without this, such a run would ignore both.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cfg = load(sys.argv[1:] if argv is None else argv)
         summary = asyncio.run(train(cfg))
