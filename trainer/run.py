@@ -63,11 +63,13 @@ async def engines_and_backend(
     async with contextlib.AsyncExitStack() as stack:
         remote = ENGINES.attrs(cfg.engine.kind)["remote"]
         if cfg.ray.enabled:
+            import ray
+
             from trainer import cluster
 
             check_ray_cpus(cfg, remote)
             if cluster.init(cfg.ray):  # a Ray this run started ends with it, after its actors
-                stack.callback(cluster.ray.shutdown)
+                stack.callback(ray.shutdown)
         if cfg.ray.enabled and not remote:
             engines: list[Engine] = [
                 await stack.enter_async_context(cluster.placed_engine(cfg, replica, model_path))
