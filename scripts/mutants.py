@@ -41,6 +41,7 @@ class Mutant:
 
 
 ORACLE = "tests/test_token_oracle.py::test_multi_turn_sessions_match_the_engine"
+SPLIT_IDS = "tests/test_token_oracle.py::test_ids_no_tokenizer_would_write_go_back_verbatim"
 TRAINING = "tests/test_multiturn_training.py::test_multi_turn_and_forked_sessions_train_on_exactly_the_sampled_tokens"  # noqa: E501
 LONG_TAIL = (
     "tests/test_staleness_stress.py::test_long_rollouts_are_trained_at_the_edge_of_the_window"  # noqa: E501
@@ -55,7 +56,7 @@ MUTANTS = [
         "gateway/render.py",
         "        if best_ids is not None:\n",
         "        if False:  # re-render (re-encode) the whole history from its text\n",
-        (ORACLE,),
+        (SPLIT_IDS, ORACLE),
     ),
     Mutant(
         "train_on_tool_results",

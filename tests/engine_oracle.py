@@ -11,6 +11,9 @@ ids are exactly the segment's tokens before it (ids, logprobs and versions equal
 is used at most once, and a segment is exactly the input + output of the last request in it, so
 every unmasked token is a token the gateway sent to the engine (tool results, template tokens)
 and never one it trained on.
+
+`ScriptedEngine` is an engine whose output is given: tests that need a model to write exactly
+some ids (a tool call, a token split no tokenizer would produce) script them.
 """
 
 from __future__ import annotations
@@ -66,6 +69,30 @@ class RecordingEngine(DelegatingEngine):
 
     def of_session(self, session_id: str) -> list[Record]:
         return [r for r in self.records if r.session_id == session_id]
+
+
+class ScriptedEngine:
+    """Replays `script` token ids for every request: `length` at max_tokens, else `stop`."""
+
+    weight_version = 0
+    max_context = 4096
+    load = 0
+
+    def __init__(self) -> None:
+        self.script: list[int] = []
+
+    async def stream(self, ids, params: SamplingParams, request_id=None, session_id=None):
+        out = self.script[: params.max_tokens]
+        for i, t in enumerate(out):
+            last = i == len(out) - 1
+            finish = ("length" if len(out) < len(self.script) else "stop") if last else None
+            yield Chunk([t], [-0.5], [0], finish)
+
+    async def abort(self, request_id):
+        pass
+
+    async def health(self):
+        return True
 
 
 def check_trajectory(traj: Trajectory, records: list[Record]) -> list[Record]:

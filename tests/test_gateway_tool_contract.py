@@ -10,7 +10,7 @@
   keeps the true finish reason.
 
 The tool-call tests need model output that is exactly a given text, which no real model can be
-made to write on demand: `ScriptedEngine` (the Engine protocol) replays the token ids of a text,
+made to write on demand: `ScriptedEngine` (tests/engine_oracle.py) replays the token ids of a text,
 cut at the request's max_tokens with `length`, as an engine would. The cap tests use the real
 tiny model.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import httpx
 import orjson
 import pytest
+from engine_oracle import ScriptedEngine
 
-from gateway.engines.base import Chunk, SamplingParams
 from gateway.server import Gateway, GatewayConfig
 
 MODEL = "tiny-random"
@@ -32,30 +32,6 @@ TOOL = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
 PREFILL = '<tool_call>\n{"name": "'  # what the gateway writes for tool_choice=required
-
-
-class ScriptedEngine:
-    """Replays `script` token ids for every request: `length` at max_tokens, else `stop`."""
-
-    weight_version = 0
-    max_context = 4096
-    load = 0
-
-    def __init__(self) -> None:
-        self.script: list[int] = []
-
-    async def stream(self, ids, params: SamplingParams, request_id=None, session_id=None):
-        out = self.script[: params.max_tokens]
-        for i, t in enumerate(out):
-            last = i == len(out) - 1
-            finish = ("length" if len(out) < len(self.script) else "stop") if last else None
-            yield Chunk([t], [-0.5], [0], finish)
-
-    async def abort(self, request_id):
-        pass
-
-    async def health(self):
-        return True
 
 
 @pytest.fixture

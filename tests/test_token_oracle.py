@@ -4,9 +4,10 @@ Every test wraps the engine in `RecordingEngine`, drives multi-turn sessions thr
 gateway's HTTP surfaces, and checks the closed trajectory with `check_trajectory`: trained
 tokens are exactly what the engine emitted after exactly the ids the gateway sent (logprobs and
 versions too), and nothing else is trained. Fast tests: the tiny model on all four surfaces
-(streaming or not), `n > 1`, a client that disconnects, a partial rollout across a weight swap,
-and the fake SGLang servers (their "model" emits ids that rarely survive decode + encode, so a
-re-tokenized history cannot go unnoticed). The slow test: SmolLM2 making real tool calls under
+(streaming or not), ids no tokenizer would write (scripted: the tiny model's samples mostly
+re-encode to the same ids, so only this test is sure to catch a re-tokenized history), `n > 1`,
+a client that disconnects, a partial rollout across a weight swap, and the fake SGLang servers.
+The slow test: SmolLM2 making real tool calls under
 forced `tool_choice`, with the tool results in the next prompts.
 """
 
@@ -18,7 +19,12 @@ import json
 import httpx
 import orjson
 import pytest
-from engine_oracle import RecordingEngine, assert_token_in_token_out, check_trajectory
+from engine_oracle import (
+    RecordingEngine,
+    ScriptedEngine,
+    assert_token_in_token_out,
+    check_trajectory,
+)
 from fake_sglang import serve_fake
 
 from gateway.engines import EngineConfig, make_engine
@@ -132,6 +138,24 @@ async def test_multi_turn_sessions_match_the_engine(engine, renderer, tiny_model
         async with http(gw, key) as c:
             await converse(surface, c, lambda: rec.of_session(sid), stream, seed=7)
         check_session(await gw.close_session(sid), rec, sid, 3)
+    finally:
+        await gw.aclose()
+
+
+@pytest.mark.parametrize("surface", ["chat", "responses", "messages"])
+async def test_ids_no_tokenizer_would_write_go_back_verbatim(renderer, tiny_model_path, surface):
+    """A model may sample "Hel" + "lo" where the tokenizer has "Hello": the reply's text then
+    encodes to other ids, and only a gateway that sends the sampled ids back passes (the
+    tiny model's samples re-encode the same most of the time, so this is scripted)."""
+    engine = ScriptedEngine()
+    engine.script = [t for piece in ("Hel", "lo", " the", "re") for t in renderer.encode(piece)]
+    assert renderer.encode(renderer.decode(engine.script)) != engine.script
+    gw, rec = gateway(engine, renderer, tiny_model_path)
+    try:
+        sid, key = gw.create_session()
+        async with http(gw, key) as c:
+            await converse(surface, c, lambda: rec.of_session(sid), False, turns=2)
+        check_session(await gw.close_session(sid), rec, sid, 2)
     finally:
         await gw.aclose()
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 import torch
+from ray._raylet import AuthenticationMode, get_authentication_mode
 
 from gateway.engines import EngineConfig
 from trainer.actors import init_ray, spawn_engine
@@ -54,7 +55,10 @@ def two_nodes() -> Iterator[None]:
     temp = tempfile.mkdtemp(prefix="ls-ray-")  # short: Ray's socket paths have a length limit
     resources = '--resources={"node_a": 4}'
     with pytest.MonkeyPatch.context() as env, contextlib.ExitStack() as stack:
-        env.setenv("RAY_AUTH_MODE", "disabled")  # raylets started here, no cluster token
+        # Ray reads its auth mode once per process: raylets started here take the mode this
+        # process already has (token, with ~/.ray/auth_token, after an earlier local ray.init)
+        token = get_authentication_mode() == AuthenticationMode.TOKEN
+        env.setenv("RAY_AUTH_MODE", "token" if token else "disabled")
         stack.callback(shutil.rmtree, temp, True)
         stack.enter_context(
             raylet("--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=3",
