@@ -7,8 +7,8 @@ versions too), and nothing else is trained. Fast tests: the tiny model on all fo
 (streaming or not), ids no tokenizer would write (scripted: the tiny model's samples mostly
 re-encode to the same ids, so only this test is sure to catch a re-tokenized history), `n > 1`,
 a client that disconnects, a partial rollout across a weight swap, and the fake SGLang servers.
-The slow test: SmolLM2 making real tool calls under
-forced `tool_choice`, with the tool results in the next prompts.
+The slow test: SmolLM2 making real tool calls under forced `tool_choice`, with the tool results
+in the next prompts.
 """
 
 from __future__ import annotations
