@@ -461,6 +461,7 @@ def test_a_recipe_teacher_is_made_once_and_cached():
         assert (path / "config.json").is_file() and path.name.startswith("teacher-t-")
         made = (path / "config.json").stat().st_mtime_ns
         assert made_teacher("t", argv) == path  # the same config: no second run
+        assert made_teacher("t", [*argv, "logging.progress=false"]) == path  # shown otherwise
         assert (path / "config.json").stat().st_mtime_ns == made
         assert made_teacher("t", [*argv, "run.steps=2"]) != path  # another config: another one
     finally:

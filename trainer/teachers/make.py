@@ -4,8 +4,9 @@ A teacher with `recipe` (instead of `model`) is the final model of that `trainer
 It is run in a child process before anything of the distillation run is loaded (its own Ray,
 engines and trainer come and go with it), and its `final/` folder is cached as
 `$LOONGSAGE_HOME/models/teacher-<name>-<hash>`, where the hash covers the teacher run's whole
-resolved config (recipe contents and overrides, minus its run directory): change the recipe and
-the teacher is made again; rerun the distillation and it is reused. The teacher run's own
+resolved config (recipe contents and overrides, minus where the run writes and how it is shown:
+`run.dir`, `logging`): change the recipe and the teacher is made again; rerun the distillation
+and it is reused. The teacher run's own
 directory (metrics, plots) is kept next to it as `...-run`.
 """
 
@@ -53,6 +54,7 @@ def made_teacher(name: str, argv: list[str]) -> Path:
     except ConfigError as e:
         raise ConfigError(f"algorithm.distill.teachers.{name}.recipe: {e}") from None
     resolved["run"].pop("dir")
+    resolved.pop("logging")  # a progress bar or W&B does not change what the teacher learns
     digest = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
     key = f"teacher-{name}-{digest}"
     run_dir = loongsage_home() / "models" / f"{key}-run"
