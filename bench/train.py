@@ -34,8 +34,8 @@ from transformers import AutoTokenizer
 import envs  # noqa: F401  (registers loongsage/Calc-v0)
 from gateway import machine
 from gateway.models import resolve_model
-from trainer.backends.base import TrainSample, micro_batches
-from trainer.backends.torch_backend import PEAK_ROWS, Pack, TorchBackend, pack
+from trainer.backends.base import PEAK_ROWS, TrainSample, micro_batches
+from trainer.backends.torch_backend import Pack, TorchBackend, pack
 from trainer.config import AlgorithmConfig, TrainBackendConfig
 
 

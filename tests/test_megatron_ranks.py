@@ -65,7 +65,7 @@ async def test_two_ranks_match_one(ray_local, tiny_model_path, one_rank, layout)
         got_metrics = [group.train_step(BATCH), group.train_step(BATCH[::-1])]
         for got, want in zip(got_metrics, want_metrics, strict=True):
             assert set(got) == set(want)
-            for key in want:
+            for key in (k for k in want if not k.startswith("perf/")):  # timed: not equal
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
         # Adam moves every weight by up to lr per step whatever the gradient's size, so where
         # gradients are ~0 (embedding rows of unseen tokens) rounding differences between

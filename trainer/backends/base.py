@@ -5,7 +5,8 @@ train step with the one loss of `trainer.algorithms`, hands its weights to the w
 saves/loads resumable checkpoints and final HF folders. `train_samples` turns a batch and its
 advantages (computed in `trainer.algorithms`) into samples. What every backend does the same
 way lives here too: building from a run's config and counting steps (`BackendBase`), checking
-samples, packing them into micro-batches, the LR schedule, and the RNG state a checkpoint keeps.
+samples, packing them into micro-batches, the LR schedule, the RNG state a checkpoint keeps, and
+the `perf/*` metrics (FLOPs counted by `machine.ModelShape` over the measured matmul peak).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 import numpy as np
 import torch
 
+from gateway import machine
 from gateway.models import resolve_model
 
 if TYPE_CHECKING:
@@ -126,10 +128,28 @@ def train_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """`train.dtype` as a torch dtype: `auto` asks `machine.auto_dtype` (bf16 only where it is
     native and measured faster, else fp32)."""
     if name == "auto":
-        from gateway import machine
-
         return machine.auto_dtype(str(device))
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+PEAK_ROWS = 1024
+
+
+def peak_gflops(shape: machine.ModelShape, dtype: torch.dtype, device: torch.device | str) -> float:
+    """Measured matmul GFLOP/s of the gate/up projection over PEAK_ROWS tokens: the largest
+    matmul of a layer, at a micro-batch's size, the best rate the step's matmuls can reach."""
+    return machine.matmul_gflops(
+        PEAK_ROWS, shape.hidden, 2 * shape.intermediate, dtype, str(device)
+    )
+
+
+def perf_metrics(flops: float, seconds: float, peak: float, devices: int = 1) -> dict[str, float]:
+    """`perf/train_tflops`: the step's counted FLOPs per second; `perf/mfu`: that over `devices`
+    times one device's measured `peak` (GFLOP/s, `peak_gflops`)."""
+    return {
+        "perf/train_tflops": flops / seconds / 1e12,
+        "perf/mfu": flops / seconds / (peak * 1e9 * devices),
+    }
 
 
 def rng_state() -> dict[str, Any]:

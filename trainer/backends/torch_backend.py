@@ -19,7 +19,7 @@ fraction of the FLOPs. Only loss positions go through the LM head.
 bf16 autocast; `auto` asks `gateway.machine.auto_dtype` (bf16 only where native and faster).
 Every step reports `perf/train_tflops` (FLOPs counted by `machine.ModelShape` for the tokens
 the packed forwards compute, over the step's wall time) and `perf/mfu` (that over the measured
-matmul rate of the model's gate/up projection, `peak_gflops`).
+matmul rate of the model's gate/up projection: `base.perf_metrics`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from trainer.backends.base import (
     check_samples,
     lr_factor,
     pad_rows,
+    peak_gflops,
+    perf_metrics,
     rng_state,
     set_rng_state,
     train_dtype,
@@ -50,7 +52,6 @@ from trainer.backends.base import (
 from trainer.config import AlgorithmConfig, TrainBackendConfig
 
 CHECKPOINT_FILE = "trainer.pt"
-PEAK_ROWS = 1024
 
 
 def train_device(name: str) -> torch.device:
@@ -184,14 +185,6 @@ def token_logprobs(
         entropy = torch.zeros(shape, dtype=ent.dtype, device=ent.device).masked_scatter(select, ent)
         entropy = torch.nn.functional.pad(entropy, (1, 0))
     return logp, entropy, int(index.numel())
-
-
-def peak_gflops(shape: machine.ModelShape, dtype: torch.dtype, device: torch.device | str) -> float:
-    """Measured matmul GFLOP/s of the gate/up projection over PEAK_ROWS tokens: the largest
-    matmul of a layer, at a micro-batch's size, the best rate the step's matmuls can reach."""
-    return machine.matmul_gflops(
-        PEAK_ROWS, shape.hidden, 2 * shape.intermediate, dtype, str(device)
-    )
 
 
 class TorchBackend(BackendBase):
@@ -378,8 +371,7 @@ class TorchBackend(BackendBase):
                 "train/lr": lr,
                 "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
                 "train/sequences": float(len(samples)),
-                "perf/train_tflops": self._flops / seconds / 1e12,
-                "perf/mfu": self._flops / seconds / (self.peak_gflops * 1e9),
+                **perf_metrics(self._flops, seconds, self.peak_gflops),
             }
         )
         return metrics

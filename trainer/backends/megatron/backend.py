@@ -22,7 +22,9 @@ A train step, on each rank:
 - gradients are reduced by Megatron's DDP (reduce-scatter into the distributed optimizer on GPU,
   all-reduce on CPU), the norm is clipped across model-parallel ranks, and the optimizer steps.
 Metrics are gathered from the last stage's first TP rank of every data-parallel rank and merged
-with `reduce_metrics`, so every rank returns the same numbers.
+with `reduce_metrics`, so every rank returns the same numbers. `perf/*` as in the torch backend,
+with the FLOPs the padded micro-batches compute, and `perf/mfu` over the peak of one device
+(measured by each rank at start) times the number of ranks (on CPU the ranks share its cores).
 
 Weights out: `hf_tensors()` yields this stage's weights under their HF names, full size (TP
 shards all-gathered; every TP rank of the stage iterates together); `state_dict()` gathers every
@@ -39,6 +41,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
@@ -49,6 +52,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
+from gateway import machine
 from trainer.algorithms import policy_loss, reduce_metrics
 from trainer.backends.base import (
     BackendBase,
@@ -57,6 +61,8 @@ from trainer.backends.base import (
     lr_factor,
     micro_batches,
     pad_rows,
+    peak_gflops,
+    perf_metrics,
     rng_state,
     set_rng_state,
     train_dtype,
@@ -222,6 +228,10 @@ class MegatronBackend(BackendBase):
 
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.arch = Arch.from_hf(self.hf_config)
+        self.shape = machine.ModelShape.from_config(self.hf_config)
+        dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float32
+        self.peak_gflops = peak_gflops(self.shape, dtype, self.device or "cpu")
+        """One device's matmul rate on the widest linear layer: the MFU denominator per rank."""
         self.arch.check_parallel(tp, pp)
         self.tp, self.pp = tp, pp
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -474,18 +484,24 @@ class MegatronBackend(BackendBase):
             # its own LR scheduler applies; the CPU optimizer's one group has none.
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+        start, flops = time.perf_counter(), 0
         k = min(self.algorithm.num_minibatches, len(samples))
         minibatches = [list(range(len(samples)))[j::k] for j in range(k)]
         shares = [self._my_share(mini, samples) for mini in minibatches]
         proximal = None
         if k > 1:  # the policy before this step's first update
             everything = sorted(i for share in shares for i in share)
-            proximal = self._score(self.model, self._micro_batches(everything, samples))
+            scored = self._micro_batches(everything, samples)
+            proximal = self._score(self.model, scored)
+            flops += self._flops(scored)
         outputs: list[tuple[dict[str, float], int]] = []
         losses, grad_norms = [], []
         for mini, mine in zip(minibatches, shares, strict=True):
             batches = self._micro_batches(mine, samples) if mine else self._blank()
             ref = self._score(self.ref_model, batches) if self.ref_model is not None else None
+            flops += self._flops(batches, train=True)
+            if self.ref_model is not None:
+                flops += self._flops(batches)
             if self.last_stage:
                 for batch in batches:
                     batch.proximal = self._rows(proximal, batch) if proximal else None
@@ -502,6 +518,8 @@ class MegatronBackend(BackendBase):
             losses.append(sum(p[0] for p in parts))
             outputs += [o for p in parts for o in p[1]]
         self._step += 1
+        seconds = time.perf_counter() - start
+        flops = sum(self._gather(flops if self._reports else 0))  # each DP share once
         metrics = reduce_metrics(outputs)
         metrics.update(
             {
@@ -510,9 +528,20 @@ class MegatronBackend(BackendBase):
                 "train/lr": lr,
                 "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
                 "train/sequences": float(len(samples)),
+                **perf_metrics(flops, seconds, self.peak_gflops, dist.get_world_size()),
             }
         )
         return metrics
+
+    def _flops(self, batches: list[_MicroBatch], train: bool = False) -> int:
+        """Model FLOPs of the forwards (and backwards, `train`) over these padded micro-batches,
+        the whole model's (all stages and TP shards): only scored positions reach the LM head."""
+        count = 0
+        for b in batches:
+            rows, length = b.ids.shape
+            attended = rows * machine.causal_attended([length])
+            count += self.shape.forward_flops(b.ids.numel(), int(b.select.sum()), attended)
+        return 3 * count if train else count
 
     def _blank(self) -> list[_MicroBatch]:
         """A data-parallel rank with no sample in a minibatch still takes part in the gradient
