@@ -17,6 +17,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -273,7 +274,7 @@ async def test_absent_max_tokens_is_the_configured_default(engine, renderer, tin
     await gw.aclose()
 
 
-async def test_large_input_is_refused_or_tokenized_off_the_loop(open_gw):
+async def test_large_input_is_refused_or_tokenized_off_the_loop(open_gw, monkeypatch):
     """A 15 MB body once blocked the event loop for 30-40 s (/health stalled for everyone)."""
     async with client(open_gw, "big") as c:
         # far over the context: refused without tokenizing
@@ -283,16 +284,25 @@ async def test_large_input_is_refused_or_tokenized_off_the_loop(open_gw):
         assert assert_error(r, 400, "messages")["code"] == "context_length_exceeded"
         assert time.monotonic() - started < 30
         # within the bound but over the context: tokenized on a worker thread while the loop
-        # answers others
+        # answers others. The tokenizer waits for /health to answer first: on the loop it
+        # would wait in vain (and /health answer only after it), whatever the machine's speed.
+        entered, answered, in_time = threading.Event(), threading.Event(), []
+        render = open_gw.renderer.render
+
+        def gated(*args, **kwargs):
+            entered.set()
+            in_time.append(answered.wait(60))
+            return render(*args, **kwargs)
+
+        monkeypatch.setattr(open_gw.renderer, "render", gated)
         big = {**CHAT, "messages": [{"role": "user", "content": "x " * 150_000}]}
         task = asyncio.create_task(c.post("/v1/chat/completions", json=big))
-        healths = 0
-        while not task.done():
-            assert (await c.get("/health")).status_code == 200
-            healths += 1
+        while not entered.is_set():
             await asyncio.sleep(0.01)
-        assert_error(task.result(), 400, "messages")
-        assert healths > 1
+        assert (await c.get("/health")).status_code == 200
+        answered.set()
+        assert_error(await task, 400, "messages")
+        assert in_time == [True], "the tokenizer held the event loop: /health waited for it"
     assert open_gw.list_sessions() == []  # nothing was created by the refused requests
 
 
