@@ -128,18 +128,23 @@ def check_session(traj, rec: RecordingEngine, sid: str, turns: int) -> None:
     assert len(traj.segments) == 1
 
 
+async def one_session(engine, renderer, path, surface: str, stream: bool, turns=3, **kw) -> None:
+    """One session of `turns` calls on `surface`, its trajectory checked against the engine."""
+    gw, rec = gateway(engine, renderer, path)
+    try:
+        sid, key = gw.create_session()
+        async with http(gw, key) as c:
+            await converse(surface, c, lambda: rec.of_session(sid), stream, turns, **kw)
+        check_session(await gw.close_session(sid), rec, sid, turns)
+    finally:
+        await gw.aclose()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("surface", SURFACES)
 async def test_multi_turn_sessions_match_the_engine(engine, renderer, tiny_model_path, surface,
                                                     stream):  # fmt: skip
-    gw, rec = gateway(engine, renderer, tiny_model_path)
-    try:
-        sid, key = gw.create_session()
-        async with http(gw, key) as c:
-            await converse(surface, c, lambda: rec.of_session(sid), stream, seed=7)
-        check_session(await gw.close_session(sid), rec, sid, 3)
-    finally:
-        await gw.aclose()
+    await one_session(engine, renderer, tiny_model_path, surface, stream, seed=7)
 
 
 @pytest.mark.parametrize("surface", ["chat", "responses", "messages"])
@@ -150,14 +155,7 @@ async def test_ids_no_tokenizer_would_write_go_back_verbatim(renderer, tiny_mode
     engine = ScriptedEngine()
     engine.script = [t for piece in ("Hel", "lo", " the", "re") for t in renderer.encode(piece)]
     assert renderer.encode(renderer.decode(engine.script)) != engine.script
-    gw, rec = gateway(engine, renderer, tiny_model_path)
-    try:
-        sid, key = gw.create_session()
-        async with http(gw, key) as c:
-            await converse(surface, c, lambda: rec.of_session(sid), False, turns=2)
-        check_session(await gw.close_session(sid), rec, sid, 2)
-    finally:
-        await gw.aclose()
+    await one_session(engine, renderer, tiny_model_path, surface, False, turns=2)
 
 
 async def test_n_choices_are_sibling_segments(engine, renderer, tiny_model_path):
