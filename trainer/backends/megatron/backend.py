@@ -484,7 +484,7 @@ class MegatronBackend(BackendBase):
             # its own LR scheduler applies; the CPU optimizer's one group has none.
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
-        start, flops = time.perf_counter(), 0
+        start, flops, counted = time.perf_counter(), 0, 0
         k = min(self.algorithm.num_minibatches, len(samples))
         minibatches = [list(range(len(samples)))[j::k] for j in range(k)]
         shares = [self._my_share(mini, samples) for mini in minibatches]
@@ -514,12 +514,13 @@ class MegatronBackend(BackendBase):
             ok, grad_norm, _ = self.optimizer.step()
             assert ok, "the optimizer skipped a step (bf16 needs no loss scaling)"
             grad_norms.append(float(grad_norm or 0.0))
-            parts = self._gather((loss_sum, mb_outputs) if self._reports else (0.0, []))
+            report = (loss_sum, mb_outputs, flops) if self._reports else (0.0, [], 0)
+            parts = self._gather(report)  # FLOPs ride along: each DP share once
             losses.append(sum(p[0] for p in parts))
             outputs += [o for p in parts for o in p[1]]
+            counted, flops = counted + sum(p[2] for p in parts), 0
         self._step += 1
         seconds = time.perf_counter() - start
-        flops = sum(self._gather(flops if self._reports else 0))  # each DP share once
         metrics = reduce_metrics(outputs)
         metrics.update(
             {
@@ -528,7 +529,7 @@ class MegatronBackend(BackendBase):
                 "train/lr": lr,
                 "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
                 "train/sequences": float(len(samples)),
-                **perf_metrics(flops, seconds, self.peak_gflops, dist.get_world_size()),
+                **perf_metrics(counted, seconds, self.peak_gflops, dist.get_world_size()),
             }
         )
         return metrics
