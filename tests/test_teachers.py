@@ -185,32 +185,34 @@ async def test_the_budget_is_never_exceeded_measured(big_teachers):
     budget = int(1.9 * size)  # one teacher fits, two do not
     cfg, paths = distill(big_teachers, memory_budget=str(budget), linger_s=0.05,
                          max_batch_sequences=4)  # fmt: skip
-    rng = random.Random(2)
-    trajs = [trajectory(rng, f"env{rng.randrange(3)}") for _ in range(24)]
 
-    async def one_teacher() -> None:
+    def waves(tags: list[str]) -> list[list[Trajectory]]:
+        """Four waves of six rollouts; the same token shapes whatever the tags."""
+        rng = random.Random(2)
+        trajs = [trajectory(rng, tag) for tag in tags]
+        return [trajs[w * 6 : w * 6 + 6] for w in range(4)]
+
+    async def score(waves: list[list[Trajectory]]) -> dict[str, float]:
         async with TeacherManager(cfg, paths) as manager:
-            await manager.score(trajectory(rng, "env0"))
-
-    await one_teacher()  # warm-up: imports, allocator arenas
-    one_rss, _ = await peak_rss_of(one_teacher())
-
-    async def all_three() -> dict[str, float]:
-        async with TeacherManager(cfg, paths) as manager:
-            for wave in range(4):  # rollouts finish in waves, routed to all three teachers
-                await asyncio.gather(*(manager.score(t) for t in trajs[wave * 6 : wave * 6 + 6]))
+            for wave in waves:  # rollouts finish in waves
+                await asyncio.gather(*(manager.score(t) for t in wave))
             return manager.metrics()
 
-    task = asyncio.ensure_future(all_three())
+    await score(waves(["env0"] * 24))  # warm-up: imports, allocator arenas
+    # the reference: one teacher doing the same work (weights, the mapped safetensors file
+    # while loading, the activations of the same batches)
+    one_rss, _ = await peak_rss_of(score(waves(["env0"] * 24)))
+    mixed = waves([f"env{i % 3}" for i in range(24)])  # every wave needs all three teachers
+    task = asyncio.ensure_future(score(mixed))
     peak, engines = await peak_rss_of(task)
     metrics = task.result()
     assert engines == 1  # never two teachers loaded at once
     assert metrics["teachers/resident_bytes_max"] <= budget
     assert metrics["teachers/swaps"] >= 3
-    # measured: the process never holds two teachers (RSS of one teacher: weights, the mapped
-    # safetensors file, activations; `peak` stays within it, far from two)
-    assert peak < 1.5 * one_rss, (peak / size, one_rss / size)
-    for traj in trajs[:6]:
+    # measured: a second teacher in memory would add at least its weights (`size`; ~1.7x with
+    # its tokenizer); swapping itself costs up to ~0.6x here (heap glibc keeps after a swap-out)
+    assert peak < one_rss + size, ((peak - one_rss) / size, one_rss / size)
+    for traj in mixed[0]:
         assert_scored_by(traj, paths[traj.metadata["teacher"]])
 
 
