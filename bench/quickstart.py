@@ -1,6 +1,7 @@
 """The quickstart, this build against the build before issue 12 with `train.dtype=fp32`.
 
-    python bench/quickstart.py [--steps 10] [--baseline REF] [--out DIR]
+    python bench/quickstart.py [--steps 10] [--seed 0] [--only baseline|this] [--baseline REF]
+                               [--out DIR]
 
 Runs `python -m trainer.run recipe=quickstart run.steps=N` twice on this machine, one after
 the other: first the `--baseline` commit (extracted with `git archive`; default: the build the
@@ -8,6 +9,8 @@ issue measured, whose recipe asked for bf16) with `train.dtype=fp32`, its fastes
 CPUs without native bf16; then this working tree with the recipe's own defaults (`dtype:
 auto`). Prints the CPU, each run's wall time and held-out `eval/success_rate` first -> last,
 and the wall-time ratio. Each run takes 15-40 minutes on 2 cores; run it on a quiet machine.
+One run per build says little about learning (GRPO on 32 samples a step varies a lot from seed
+to seed): compare several `--seed`s, one build at a time with `--only`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def success(metrics: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="run.seed of both runs")
+    parser.add_argument("--only", choices=("baseline", "this"), help="run one build only")
     parser.add_argument("--baseline", default=BASELINE, help="git ref of the build to beat")
     parser.add_argument("--out", default="", help="keep both run directories here")
     args = parser.parse_args()
@@ -62,17 +67,26 @@ def main() -> None:
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
         results = {}
-        for name, tree, overrides in (
-            (f"baseline {args.baseline[:10]}, train.dtype=fp32", old_tree, ["train.dtype=fp32"]),
-            ("this build, recipe defaults", ROOT, []),
-        ):
+        builds = {
+            "baseline": (f"baseline {args.baseline[:10]}, train.dtype=fp32", old_tree,
+                         ["train.dtype=fp32"]),
+            "this": ("this build, recipe defaults", ROOT, []),
+        }  # fmt: skip
+        for key, (name, tree, overrides) in builds.items():
+            if args.only not in (None, key):
+                continue
+            folder = name.split(",")[0].replace(" ", "_") + (
+                f"_seed{args.seed}" if args.seed else ""
+            )
             seconds, metrics = run(
-                tree, out / name.split(",")[0].replace(" ", "_"), args.steps, overrides
+                tree, out / folder, args.steps, [*overrides, f"run.seed={args.seed}"]
             )
             results[name] = seconds
             print(
                 f"{name}: {seconds / 60:.1f} min, eval/success_rate {success(metrics)}", flush=True
             )
+    if len(results) < 2:
+        return
     old, new = results.values()
     print(f"wall time, this build / baseline: {new / old:.2f} ({old / new:.2f}x faster)")
 
