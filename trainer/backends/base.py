@@ -143,10 +143,26 @@ def peak_gflops(shape: machine.ModelShape, dtype: torch.dtype, device: torch.dev
     )
 
 
-def perf_metrics(flops: float, seconds: float, peak: float, devices: int = 1) -> dict[str, float]:
-    """`perf/train_tflops`: the step's counted FLOPs per second; `perf/mfu`: that over `devices`
-    times one device's measured `peak` (GFLOP/s, `peak_gflops`)."""
+def step_metrics(
+    samples: list[TrainSample],
+    losses: list[float],
+    grad_norms: list[float],
+    lr: float,
+    flops: float,
+    seconds: float,
+    peak: float,
+    devices: int = 1,
+) -> dict[str, float]:
+    """A train step's own metrics (the loss terms come from `algorithms.reduce_metrics`): mean
+    loss and grad norm over its optimizer steps, its tokens and sequences; `perf/train_tflops`,
+    its counted FLOPs per second, and `perf/mfu`, that over `devices` times one device's
+    measured `peak` (GFLOP/s, `peak_gflops`)."""
     return {
+        "train/loss": sum(losses) / len(losses),
+        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+        "train/lr": lr,
+        "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
+        "train/sequences": float(len(samples)),
         "perf/train_tflops": flops / seconds / 1e12,
         "perf/mfu": flops / seconds / (peak * 1e9 * devices),
     }

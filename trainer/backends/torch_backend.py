@@ -19,7 +19,7 @@ fraction of the FLOPs. Only loss positions go through the LM head.
 bf16 autocast; `auto` asks `gateway.machine.auto_dtype` (bf16 only where native and faster).
 Every step reports `perf/train_tflops` (FLOPs counted by `machine.ModelShape` for the tokens
 the packed forwards compute, over the step's wall time) and `perf/mfu` (that over the measured
-matmul rate of the model's gate/up projection: `base.perf_metrics`).
+matmul rate of the model's gate/up projection: `base.step_metrics`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from trainer.backends.base import (
     lr_factor,
     pad_rows,
     peak_gflops,
-    perf_metrics,
     rng_state,
     set_rng_state,
+    step_metrics,
     train_dtype,
 )
 from trainer.config import AlgorithmConfig, TrainBackendConfig
@@ -363,18 +363,9 @@ class TorchBackend(BackendBase):
         self.scheduler.step()
         self._step += 1
         seconds = time.perf_counter() - start
-        metrics = reduce_metrics(outputs)
-        metrics.update(
-            {
-                "train/loss": sum(losses) / len(losses),
-                "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                "train/lr": lr,
-                "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
-                "train/sequences": float(len(samples)),
-                **perf_metrics(self._flops, seconds, self.peak_gflops),
-            }
+        return reduce_metrics(outputs) | step_metrics(
+            samples, losses, grad_norms, lr, self._flops, seconds, self.peak_gflops
         )
-        return metrics
 
     # -- weights and checkpoints ----------------------------------------------------------------
 

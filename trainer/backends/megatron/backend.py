@@ -62,9 +62,9 @@ from trainer.backends.base import (
     micro_batches,
     pad_rows,
     peak_gflops,
-    perf_metrics,
     rng_state,
     set_rng_state,
+    step_metrics,
     train_dtype,
 )
 from trainer.backends.megatron import compat
@@ -521,18 +521,10 @@ class MegatronBackend(BackendBase):
             counted, flops = counted + sum(p[2] for p in parts), 0
         self._step += 1
         seconds = time.perf_counter() - start
-        metrics = reduce_metrics(outputs)
-        metrics.update(
-            {
-                "train/loss": sum(losses) / len(losses),
-                "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                "train/lr": lr,
-                "train/tokens": float(sum(sum(s.loss_mask) for s in samples)),
-                "train/sequences": float(len(samples)),
-                **perf_metrics(counted, seconds, self.peak_gflops, dist.get_world_size()),
-            }
+        world = dist.get_world_size()
+        return reduce_metrics(outputs) | step_metrics(
+            samples, losses, grad_norms, lr, counted, seconds, self.peak_gflops, world
         )
-        return metrics
 
     def _flops(self, batches: list[_MicroBatch], train: bool = False) -> int:
         """Model FLOPs of the forwards (and backwards, `train`) over these padded micro-batches,
