@@ -61,11 +61,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="loongsage-quickstart-") as tmp:
         out = Path(args.out or tmp)
         old_tree = Path(tmp) / "baseline"
-        old_tree.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", args.baseline], cwd=ROOT, check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
+        if args.only != "this":  # the baseline's source tree, only when it runs
+            old_tree.mkdir()
+            archive = subprocess.run(
+                ["git", "archive", args.baseline], cwd=ROOT, check=True, capture_output=True
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
         results = {}
         builds = {
             "baseline": (f"baseline {args.baseline[:10]}, train.dtype=fp32", old_tree,
@@ -75,9 +76,8 @@ def main() -> None:
         for key, (name, tree, overrides) in builds.items():
             if args.only not in (None, key):
                 continue
-            folder = name.split(",")[0].replace(" ", "_") + (
-                f"_seed{args.seed}" if args.seed else ""
-            )
+            folder = name.split(",")[0].replace(" ", "_")
+            folder += f"_seed{args.seed}" if args.seed else ""
             seconds, metrics = run(
                 tree, out / folder, args.steps, [*overrides, f"run.seed={args.seed}"]
             )

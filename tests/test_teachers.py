@@ -192,9 +192,9 @@ async def test_the_budget_is_never_exceeded_measured(big_teachers):
         trajs = [trajectory(rng, tag) for tag in tags]
         return [trajs[w * 6 : w * 6 + 6] for w in range(4)]
 
-    async def score(waves: list[list[Trajectory]]) -> dict[str, float]:
+    async def score(batches: list[list[Trajectory]]) -> dict[str, float]:
         async with TeacherManager(cfg, paths) as manager:
-            for wave in waves:  # rollouts finish in waves
+            for wave in batches:  # rollouts finish in waves
                 await asyncio.gather(*(manager.score(t) for t in wave))
             return manager.metrics()
 
