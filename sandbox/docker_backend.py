@@ -278,6 +278,10 @@ class DockerSandbox:
         if not holder:
             mounts += [Mount(p, p, type="bind", read_only=True) for p in self.ro_paths]
         mem = f"{16 if holder else cfg.memory_mb}m"
+        # The holder only sleeps, but runc's Go init runs in its cgroup before the exec and may
+        # start threads there: at pids=4 one start in a few hundred failed under load ("fork
+        # rejected by pids controller", then docker's 500 "cannot start a stopped process").
+        pids = 32 if holder else cfg.pids
         container = self.client.containers.create(
             cfg.image,
             argv,
@@ -294,7 +298,7 @@ class DockerSandbox:
             mem_limit=mem,
             memswap_limit=mem,
             nano_cpus=int((0.1 if holder else cfg.cpus) * 1e9),
-            pids_limit=4 if holder else cfg.pids,
+            pids_limit=pids,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             init=not holder,  # the holder's `sleep` as pid 1: a missing binary fails `start`

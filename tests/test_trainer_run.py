@@ -167,9 +167,10 @@ async def test_the_mini_swe_agent_recipe_trains_a_step(tmp_path):
     )
     summary = await train(cfg, run_dir=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["eval/aborted_frac"] == 0.0
+    assert rows[0]["eval/aborted_frac"] == 0.0, summary.aborted
     step = rows[1]
-    assert step["rollout/aborted_samples"] == 0 and step["train/sequences"] >= 2
+    assert step["rollout/aborted_samples"] == 0, summary.aborted
+    assert step["train/sequences"] >= 2
     # mini_swe_agent.yaml's step_limit (4 calls), each capped at 24 tokens by the session
     assert 0 < step["response/len_max"] <= 4 * 24 and "rollout/forks_max" in step
     assert summary.final_model is not None
