@@ -31,7 +31,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import uuid
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,6 +331,39 @@ def tools_key(tools: list[dict[str, Any]] | None) -> bytes:
 # The renderer
 
 
+class RenderMemo:
+    """Full renders by request content, least recently used first out, bounded by the tokens
+    held (as int32 arrays: 4 bytes a token). Thread-safe: large inputs render off the loop."""
+
+    def __init__(self, enabled: bool = True, max_tokens: int = 1 << 20) -> None:
+        self.enabled, self.max_tokens = enabled, max_tokens
+        self.held = self.hits = self.misses = 0
+        self._ids: OrderedDict[bytes, array] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> list[int] | None:
+        if not self.enabled:
+            return None
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._ids.move_to_end(key)
+        return ids.tolist()
+
+    def put(self, key: bytes, ids: list[int]) -> None:
+        if not self.enabled or len(ids) > self.max_tokens // 4:
+            return
+        with self._lock:
+            if key not in self._ids:
+                self._ids[key] = array("i", ids)
+                self.held += len(ids)
+            while self.held > self.max_tokens:
+                self.held -= len(self._ids.popitem(last=False)[1])
+
+
 class Renderer:
     """Messages <-> token ids for one tokenizer and its chat template."""
 
@@ -344,6 +380,8 @@ class Renderer:
                 "the tokenizer has no chat template; use an instruction-tuned model folder"
             )
         self.native_tools = "tools" in template
+        # a template that reads the clock (`strftime_now`) renders differently tomorrow
+        self.renders = RenderMemo(enabled="strftime_now" not in template)
         self._anchor_text: dict[bytes, str] = {}
         self.eos_ids = _eos_ids(tokenizer)
         self.special_ids = set(tokenizer.all_special_ids)
@@ -463,8 +501,15 @@ class Renderer:
     def render(
         self, messages: list[Message], tools: list[dict] | None = None, prefill: str = ""
     ) -> list[int]:
-        """Full render of a conversation plus the generation prompt (and an optional prefill)."""
-        return self.encode(self.render_text(messages, tools) + prefill)
+        """Full render of a conversation plus the generation prompt (and an optional prefill).
+        Remembered (`renders`): the n sessions of a GRPO group open with the same first turn,
+        and chat templating plus tokenizing is the largest CPU cost of a short request."""
+        key = orjson.dumps([messages, tools, prefill]) if self.renders.enabled else b""
+        ids = self.renders.get(key)
+        if ids is None:
+            ids = self.encode(self.render_text(messages, tools) + prefill)
+            self.renders.put(key, ids)
+        return ids
 
     def render_continuation(
         self, prefix: list[Message], new: list[Message], tools: list[dict] | None

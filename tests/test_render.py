@@ -316,6 +316,43 @@ def test_truncated_reply_gets_the_end_of_turn_tokens(renderer):
     assert p2.ids == renderer.render(nxt)
 
 
+def test_a_remembered_render_is_the_render_and_never_another_requests(tiny_model_path):
+    """The render memo gives a repeated first turn back from memory: the same ids as rendering
+    it, a copy the caller may change, and never one request's ids for another that differs in
+    messages, tools or prefill. It holds at most `max_tokens`, least recently used out first."""
+    from transformers import AutoTokenizer
+
+    r = Renderer(AutoTokenizer.from_pretrained(tiny_model_path))
+    r.renders.max_tokens = 800
+    variants = [
+        ([{"role": "user", "content": "add 1 and 2"}], None, ""),
+        ([{"role": "user", "content": "add 1 and 3"}], None, ""),
+        ([{"role": "user", "content": "add 1 and 2"}], TOOLS, ""),
+        ([{"role": "user", "content": "add 1 and 2"}], None, "<tool_call>"),
+        ([{"role": "system", "content": "add 1 and 2"}], None, ""),
+    ]
+    fresh = [r.encode(r.render_text(m, t) + p) for m, t, p in variants]
+    assert len({tuple(ids) for ids in fresh}) == len(variants)
+    for _ in range(3):
+        for (m, t, p), want in zip(variants, fresh, strict=True):
+            got = r.render(m, t, p)
+            assert got == want
+            got.append(-1)  # the caller's list; the memo keeps its own
+    assert (r.renders.hits, r.renders.misses) == (2 * len(variants), len(variants))
+    for i in range(30):  # ~36 tokens each: the oldest go
+        r.render([{"role": "user", "content": f"add {i} and 2"}])
+        assert r.renders.held <= 800
+    hits, misses = r.renders.hits, r.renders.misses
+    r.render([{"role": "user", "content": "add 29 and 2"}])
+    r.render(*variants[0])
+    assert (r.renders.hits, r.renders.misses) == (hits + 1, misses + 1)
+    long = [{"role": "user", "content": "word " * 300}]  # over a quarter of the bound: not kept
+    assert r.render(long) == r.render(long) and r.renders.misses == misses + 3
+    # a template that reads the clock renders differently later: nothing is remembered
+    r.tokenizer.chat_template += "{# strftime_now #}"
+    assert not Renderer(r.tokenizer).renders.enabled
+
+
 def test_non_append_only_template_forks(tiny_model_path):
     """A template that drops earlier assistant turns cannot be extended: the prompt forks."""
     from transformers import AutoTokenizer

@@ -14,6 +14,9 @@ For each concurrency (1, 16, 64) and mode (non-streaming, streaming), each targe
 chat request (16 output tokens) back to back for `--duration` seconds from a light HTTP/1.1
 client (`loadgen.py`). Gateway requests use a fresh session id (open mode API key) each, like
 one rollout per session; the direct engine call sends the very prompt ids the gateway renders.
+Every request has the same messages, as the n first turns of a GRPO group do: the gateway
+renders them once (its render memo); `--distinct` puts a different prompt in every request
+(also LiteLLM's), for the cost of rendering and tokenizing each one.
 Added latency = p50 through the proxy - p50 direct; throughput ratio = gateway req/s over
 LiteLLM req/s at the same concurrency.
 
@@ -149,6 +152,14 @@ def chat_body(stream: bool, max_tokens: int, messages: list[dict] | None = None)
     return orjson.dumps(body)
 
 
+def messages(args, worker: int, n: int) -> list[dict] | None:
+    """The chat request's messages: the same for every request (as a GRPO group's first turns,
+    which the gateway renders once), or with `--distinct` a different one each time."""
+    if not args.distinct:
+        return None
+    return [{"role": "user", "content": f"{MESSAGES[0]['content']} ({worker}.{n})"}]
+
+
 def check_chat(stream: bool):
     def check(status: int, data: bytes) -> str | None:
         if status != 200:
@@ -229,7 +240,7 @@ async def measure(
                     lambda w, n, s=stream, c=c: (
                         "POST",
                         "/v1/chat/completions",
-                        chat_body(s, args.max_tokens),
+                        chat_body(s, args.max_tokens, messages(args, w, n)),
                         {**JSON, "Authorization": f"Bearer b{run_id}-{int(s)}-{c}-{w}-{n}"},
                     ),
                     check_chat(stream),
@@ -243,7 +254,7 @@ async def measure(
                     lambda w, n, s=stream: (
                         "POST",
                         "/v1/chat/completions",
-                        chat_body(s, args.max_tokens),
+                        chat_body(s, args.max_tokens, messages(args, w, n)),
                         {**JSON, "Authorization": "Bearer fake-upstream-key"},
                     ),
                     check_chat(stream),
@@ -253,7 +264,7 @@ async def measure(
                     lambda w, n, s=stream: (
                         "POST",
                         "/v1/chat/completions",
-                        chat_body(s, args.max_tokens),
+                        chat_body(s, args.max_tokens, messages(args, w, n)),
                         {**JSON, "Authorization": f"Bearer {LITELLM_KEY}"},
                     ),
                     check_chat(stream),
@@ -479,6 +490,11 @@ def main() -> None:
         "--baseline",
         help="also serve the gateway from this source tree (e.g. `git archive REV | tar -x`) "
         "and print the current gateway's req/s against it, side by side",
+    )
+    parser.add_argument(
+        "--distinct",
+        action="store_true",
+        help="a different prompt in every proxied request (no render is reused by the gateway)",
     )
     parser.add_argument("--skip-litellm", action="store_true")
     parser.add_argument("--skip-load-test", action="store_true")
