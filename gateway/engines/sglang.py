@@ -619,10 +619,11 @@ class SGLangEngine:
         SGLang without them) the answer's `weight_version`."""
         if not spans:
             return [self._weight_version] * (end - start)
-        out = []
-        for pos in range(start, end):
-            span = next((s for s in spans if s.start <= pos < s.end), spans[-1])
-            out.append(parse_version(span.version))
+        out = [parse_version(spans[-1].version)] * (end - start)  # positions no span holds
+        for span in reversed(spans):  # so that the first span holding a position wins
+            lo, hi = max(span.start, start), min(span.end, end)
+            if lo < hi:
+                out[lo - start : hi - start] = [parse_version(span.version)] * (hi - lo)
         return out
 
     async def _weight_update(self, path: str, body: dict[str, Any], version: int | None) -> None:

@@ -240,6 +240,7 @@ class HttpServer:
                 lifespan="off",
                 timeout_keep_alive=30,
                 timeout_graceful_shutdown=2,
+                proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* pass
             )
         )
         self._task: asyncio.Task | None = None
