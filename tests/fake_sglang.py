@@ -115,7 +115,7 @@ class FakeConfig:
     """Sampled ids are in [first_token_id, vocab_size): SmolLM2's special tokens are 0..16."""
     eos_token_id: int = 2
     eos_every: int = 48
-    """About one sampled token in this many is EOS (unless ignore_eos)."""
+    """About one sampled token in this many is EOS (unless ignore_eos); 0: never."""
     latency_ms: float = 0.0
     """Delay before the first token (prefill)."""
     tokens_per_s: float = 0.0
@@ -286,7 +286,7 @@ class FakeSGLang:
                     await state.resumed.wait()
                     continue
                 r = mix(h if greedy else h ^ mix(seed + 1))
-                if not params["ignore_eos"] and r % cfg.eos_every == 0:
+                if not params["ignore_eos"] and cfg.eos_every and r % cfg.eos_every == 0:
                     token = cfg.eos_token_id
                 else:
                     token = cfg.first_token_id + (r >> 8) % span
@@ -739,6 +739,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-length", type=int, default=4096)
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--eos-token-id", type=int, default=2)
+    parser.add_argument(
+        "--eos-every", type=int, default=48, help="about one token in N is EOS (0: never)"
+    )
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--health-timeout-s", type=float, default=20.0)
     parser.add_argument(
@@ -754,6 +757,7 @@ def main(argv: list[str] | None = None) -> None:
         context_length=args.context_length,
         vocab_size=args.vocab_size,
         eos_token_id=args.eos_token_id,
+        eos_every=args.eos_every,
         weight_version=args.weight_version,
         health_timeout_s=args.health_timeout_s,
         weights_cpu_backup=args.enable_weights_cpu_backup,

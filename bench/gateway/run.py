@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,7 +161,11 @@ def messages(args, worker: int, n: int) -> list[dict] | None:
     return [{"role": "user", "content": f"{MESSAGES[0]['content']} ({worker}.{n})"}]
 
 
-def check_chat(stream: bool):
+def check_chat(stream: bool, max_tokens: int):
+    """Every target must answer `max_tokens` tokens (its usage says so): a reply that ended
+    early would be cheaper than the others'."""
+    want = re.compile(rb'"completion_tokens":\s*%d\b' % max_tokens)
+
     def check(status: int, data: bytes) -> str | None:
         if status != 200:
             return f"HTTP {status}: {data[:200]!r}"
@@ -168,6 +173,8 @@ def check_chat(stream: bool):
             return f"stream did not end with [DONE]: {data[-200:]!r}"
         if not stream and b'"choices"' not in data:
             return f"no choices: {data[:200]!r}"
+        if not want.search(data):
+            return f"not {max_tokens} completion tokens: {data[-300:]!r}"
         return None
 
     return check
@@ -243,7 +250,7 @@ async def measure(
                         chat_body(s, args.max_tokens, messages(args, w, n)),
                         {**JSON, "Authorization": f"Bearer b{run_id}-{int(s)}-{c}-{w}-{n}"},
                     ),
-                    check_chat(stream),
+                    check_chat(stream, args.max_tokens),
                 ),
             }
             if "baseline" in ports:
@@ -257,7 +264,7 @@ async def measure(
                         chat_body(s, args.max_tokens, messages(args, w, n)),
                         {**JSON, "Authorization": "Bearer fake-upstream-key"},
                     ),
-                    check_chat(stream),
+                    check_chat(stream, args.max_tokens),
                 )
                 targets["litellm"] = (
                     ports["litellm"],
@@ -267,7 +274,7 @@ async def measure(
                         chat_body(s, args.max_tokens, messages(args, w, n)),
                         {**JSON, "Authorization": f"Bearer {LITELLM_KEY}"},
                     ),
-                    check_chat(stream),
+                    check_chat(stream, args.max_tokens),
                 )
             server_of = {
                 "sglang direct": "sglang",
@@ -529,7 +536,8 @@ def main() -> None:
         pids["sglang"] = stack.enter_context(
             process(
                 "fake-sglang",
-                [py, "tests/fake_sglang.py", "--port", str(ports["sglang"])],
+                # no EOS: every reply is --max-tokens long, as the fake OpenAI upstream's are
+                [py, "tests/fake_sglang.py", "--port", str(ports["sglang"]), "--eos-every", "0"],
             )
         )
         pids["gateway"] = stack.enter_context(
