@@ -71,7 +71,7 @@ class RecordingEngine(DelegatingEngine):
         return [r for r in self.records if r.session_id == session_id]
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """Replays `script` token ids for every request: `length` at max_tokens, else `stop`."""
 
     weight_version = 0

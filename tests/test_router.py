@@ -305,3 +305,37 @@ async def test_pause_update_resume_cycle_keeps_every_engine(urls):
             assert out.output_versions == [v + 1] * 4
     finally:
         await router.close()
+
+
+async def generated(url: str) -> int:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(url + "/get_server_info")).json()["generated_tokens"]
+
+
+@pytest.mark.parametrize("how", ["generate", "stream"])
+async def test_a_request_its_caller_leaves_is_aborted_on_its_engine(how):
+    """The gateway cancels a non-streaming call (or closes a stream) when its client goes away;
+    the engine running it must stop then, not run on to max_tokens."""
+    with serve_fake("--tokens-per-s", "200") as url:  # slow enough to see it run on
+        router = await make_router([url])
+        try:
+            if how == "generate":
+                task = asyncio.ensure_future(router.generate(PROMPT, LONG, session_id="gone"))
+            else:
+
+                async def consume() -> None:
+                    async for _ in router.stream(PROMPT, LONG, session_id="gone"):
+                        pass
+
+                task = asyncio.ensure_future(consume())
+            while await generated(url) < 10:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.2)
+            stopped = await generated(url)
+            await asyncio.sleep(0.5)  # ~100 more tokens if it ran on
+            assert await generated(url) - stopped < 5
+        finally:
+            await router.close()

@@ -8,6 +8,7 @@ are skipped and `SGLANG_MODEL_DIR` (the served model's HF folder) enables the di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 
@@ -181,6 +182,23 @@ async def test_abort_ends_stream_with_abort(engine):
     n = sum(len(c.token_ids) for c in chunks)
     assert 3 <= n < 4000
     await engine.abort("no-such-request")  # unknown ids are ignored
+
+
+async def test_abort_ends_a_whole_generate_with_what_it_made():
+    """What the gateway does when a non-streaming client leaves: abort, and log the tokens made."""
+    with contextlib.ExitStack() as stack:
+        url = REAL_URL or stack.enter_context(serve_fake("--tokens-per-s", "200"))
+        engine = await SGLangEngine(url).connect()
+        try:
+            params = greedy(4000, ignore_eos=True)
+            task = asyncio.ensure_future(engine.generate(PROMPT, params, request_id="abort-all"))
+            await asyncio.sleep(0.5)
+            await engine.abort("abort-all")
+            out = await asyncio.wait_for(task, 10)
+            assert out.finish_reason == "abort"
+            assert 0 < len(out.output_ids) == len(out.output_logprobs) < 4000
+        finally:
+            await engine.close()
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])

@@ -29,6 +29,7 @@ sampled with" can only promise the oldest of them, which is the safe side for a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections import OrderedDict
@@ -242,6 +243,9 @@ class Router:
                         started = True
                         yield chunk
                     return
+                except (GeneratorExit, asyncio.CancelledError):
+                    self._abort_soon(index, request_id)
+                    raise
                 except EngineError as exc:
                     if started:
                         raise
@@ -260,8 +264,12 @@ class Router:
         request_id = request_id or uuid.uuid4().hex
 
         async def call(engine: Engine) -> Generation:
-            self._requests[request_id] = self.engines.index(engine)
-            return await engine.generate(input_ids, params, request_id, session_id)
+            index = self._requests[request_id] = self.engines.index(engine)
+            try:
+                return await engine.generate(input_ids, params, request_id, session_id)
+            except asyncio.CancelledError:
+                self._abort_soon(index, request_id)
+                raise
 
         try:
             return await self._with_failover(session_id, call)
@@ -272,6 +280,16 @@ class Router:
         index = self._requests.get(request_id)
         if index is not None:
             await self.engines[index].abort(request_id)
+
+    def _abort_soon(self, index: int, request_id: str) -> None:
+        """A request its caller left (closed or cancelled): the engine must stop it too, and
+        `abort(request_id)` can no longer find it once the request has left `_requests`."""
+
+        async def abort() -> None:
+            with contextlib.suppress(Exception):
+                await self.engines[index].abort(request_id)
+
+        asyncio.get_running_loop().create_task(abort())
 
     async def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         return await self._with_failover(None, lambda e: e.score(sequences, start))

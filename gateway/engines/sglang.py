@@ -1,7 +1,7 @@
 """`sglang` engine: an HTTP client of a real SGLang server, speaking token ids only.
 
 SGLang's own request classes (`sglang.srt.managers.io_struct`) do not import without a GPU, so
-the wire format is restated here as pydantic models, field by field, from SGLang's source
+the wire format is restated here field by field (answers as pydantic models), from SGLang's source
 (`io_struct.py`, `sampling/sampling_params.py`, `entrypoints/http_server.py`,
 `managers/tokenizer_manager.py`). Facts this client relies on:
 
@@ -68,49 +68,6 @@ from gateway.engines.placement import SGLANG_TRANSPORTS, Placement
 
 # ---------------------------------------------------------------------------------------------
 # Wire models (SGLang's field names and meanings)
-
-
-class SGLangSamplingParams(BaseModel):
-    """The subset of SGLang's `SamplingParams` we send; `extra="forbid"` mirrors its strictness."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    sampling_seed: int | None = None
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> SGLangSamplingParams:
-        return cls(
-            max_new_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            # Ours: 0 or -1 disables. SGLang: -1 disables, 0 is a 400.
-            top_k=params.top_k if params.top_k > 0 else -1,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            ignore_eos=params.ignore_eos,
-            sampling_seed=params.seed,
-        )
-
-
-class GenerateRequest(BaseModel):
-    """Body of `POST /generate` (SGLang's `GenerateReqInput`, single request, token ids)."""
-
-    input_ids: list[int]
-    sampling_params: SGLangSamplingParams
-    rid: str | None = None
-    return_logprob: bool = True
-    logprob_start_len: int = -1
-    top_logprobs_num: int | None = None
-    stream: bool = False
 
 
 class FinishReasonInfo(BaseModel):
@@ -563,14 +520,32 @@ class SGLangEngine:
                 f"prompt has {len(input_ids)} tokens; the engine's context is "
                 f"{self._max_context} tokens"
             )
-        request = GenerateRequest(
-            input_ids=input_ids,
-            sampling_params=SGLangSamplingParams.from_params(params),
-            top_logprobs_num=params.top_logprobs or None,
-            rid=request_id or uuid.uuid4().hex,
-            stream=stream,
-        )
-        return request.model_dump(exclude_none=True)
+        # SGLang's `GenerateReqInput` (one request, token ids) and the subset of its strict
+        # `SamplingParams` we send: an unknown sampling key would be a 400.
+        sampling: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,  # ours: 0 or -1 off; SGLang: -1
+            "ignore_eos": params.ignore_eos,
+        }
+        if params.stop:
+            sampling["stop"] = list(params.stop)
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling,
+            "rid": request_id or uuid.uuid4().hex,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": stream,
+        }
+        if params.top_logprobs:
+            body["top_logprobs_num"] = params.top_logprobs
+        return body
 
     def _chunk(self, event: GenerateResponse, seen: int, started: bool) -> Chunk | None:
         """New tokens of one answer/event, given `seen` tokens already delivered."""
@@ -649,12 +624,11 @@ class SGLangEngine:
 
     async def _generate_raw(self, body: dict[str, Any]) -> bytes:
         try:
-            async with self._pool.post("/generate", orjson.dumps(body)) as response:
-                data = await response.read()
+            status, data = await self._pool.fetch("/generate", orjson.dumps(body))
         except (OSError, EOFError, TimeoutError) as exc:
             raise EngineError(f"{self!r}: /generate failed: {exc!r}") from exc
-        if response.status != 200:
-            self._raise_for(response.status, data, "/generate")
+        if status != 200:
+            self._raise_for(status, data, "/generate")
         return data
 
     async def _request(
@@ -725,22 +699,37 @@ class _Pool:
 
     @contextlib.asynccontextmanager
     async def post(self, path: str, body: bytes) -> AsyncIterator[_Response]:
-        head = (
-            f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        """A response to read as it arrives (a stream)."""
         async with self._slots:
-            conn, response = await self._send(head + body)
+            conn, response = await self._send(self._request(path, body))
             try:
                 yield response
             finally:
-                self._busy.discard(conn)
-                if response.done and response.keep_alive and not conn.writer.is_closing():
-                    self._idle.append(conn)
-                else:
-                    conn.writer.close()
+                self._release(conn, response)
+
+    async def fetch(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """A whole response: (status, body); `post` without a generator per request."""
+        async with self._slots:
+            conn, response = await self._send(self._request(path, body))
+            try:
+                return response.status, await response.read()
+            finally:
+                self._release(conn, response)
+
+    def _request(self, path: str, body: bytes) -> bytes:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return (
+            f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    def _release(self, conn: _Conn, response: _Response) -> None:
+        self._busy.discard(conn)
+        if response.done and response.keep_alive and not conn.writer.is_closing():
+            self._idle.append(conn)
+        else:
+            conn.writer.close()
 
     async def _send(self, request: bytes) -> tuple[_Conn, _Response]:
         clock = asyncio.get_running_loop().time
@@ -833,7 +822,16 @@ class _Response:
             raise
 
     async def read(self) -> bytes:
-        return b"".join([piece async for piece in self.pieces()])
+        if self.chunked:
+            return b"".join([piece async for piece in self.pieces()])
+        try:
+            data = await self.conn.reader.readexactly(self.length)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            if self.conn.timed_out:
+                raise TimeoutError(f"no data for {self.timeout_s} s") from exc
+            raise
+        self.done = True
+        return data
 
     async def lines(self) -> AsyncIterator[bytes]:
         buffer = b""

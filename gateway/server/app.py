@@ -267,7 +267,14 @@ class Gateway:
     # Routing
 
     def _routes(self) -> list[Route]:
-        routes = [
+        routes = []  # the API surfaces first: Starlette tries routes in order
+        for cls in all_surfaces():
+            surface = cls(self.model_name, self.renderer)
+            handler = self.endpoint(surface.name, self._surface_handler(surface), surface)
+            routes.append(Route(surface.path, handler, methods=["POST"]))
+            routes.append(Route("/sessions/{sid}" + surface.path, handler, methods=["POST"]))
+        return [
+            *routes,
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/v1/models", self.endpoint("models", self._models), methods=["GET"]),
@@ -278,12 +285,6 @@ class Gateway:
             *admin_routes(self),
             *ui_routes(self),
         ]
-        for cls in all_surfaces():
-            surface = cls(self.model_name, self.renderer)
-            handler = self.endpoint(surface.name, self._surface_handler(surface), surface)
-            routes.append(Route(surface.path, handler, methods=["POST"]))
-            routes.append(Route("/sessions/{sid}" + surface.path, handler, methods=["POST"]))
-        return routes
 
     def endpoint(
         self,

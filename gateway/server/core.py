@@ -51,6 +51,9 @@ from gateway.trajectory import Turn
 WATCH_AFTER_S = 0.05
 """A non-streaming request still running after this starts watching for its client leaving."""
 
+ABORT_WAIT_S = 2.0
+"""How long an aborted non-streaming request may take to end before it is cancelled."""
+
 OFFLOAD_BYTES = 32 * 1024
 """Requests with a larger body are rendered and tokenized on a worker thread."""
 
@@ -189,8 +192,10 @@ class Core:
     # -----------------------------------------------------------------------------------------
     # Running choices
 
-    async def events(self, job: Job, index: int) -> AsyncIterator[Event]:
-        """Run one choice on the engine; yields client events; logs the turn however it ends."""
+    async def events(self, job: Job, index: int, whole: bool = False) -> AsyncIterator[Event]:
+        """Run one choice on the engine; yields client events; logs the turn however it ends.
+        `whole`: one engine call for the whole reply (`Engine.generate`), for a client that does
+        not stream: SGLang then answers once instead of one event per token."""
         session = job.session
         rid = f"{job.request_id}-{index}"
         session.request_ids.add(rid)
@@ -203,7 +208,8 @@ class Core:
         stream: AsyncIterator[Chunk] | None = None
         emitted: list[str] = []
         try:
-            stream = self.engine.stream(job.prompt_ids, job.params[index], rid, session.id)
+            args = (job.prompt_ids, job.params[index], rid, session.id)
+            stream = _whole(self.engine, *args) if whole else self.engine.stream(*args)
             async for chunk in stream:
                 gen.add(chunk)
                 event = Event(
@@ -274,8 +280,8 @@ class Core:
                 session.add_turn(turn)
                 self.metrics.output_tokens.inc(len(gen.output_ids))
 
-    def all_events(self, job: Job) -> list[AsyncIterator[Event]]:
-        return [self.events(job, i) for i in range(len(job.params))]
+    def all_events(self, job: Job, whole: bool = False) -> list[AsyncIterator[Event]]:
+        return [self.events(job, i, whole) for i in range(len(job.params))]
 
     async def collect(
         self, job: Job, disconnected: Callable[[], Awaitable[Any]] | None = None
@@ -294,7 +300,8 @@ class Core:
                 total.output_tokens = ev.output_tokens
             return total
 
-        work = asyncio.ensure_future(asyncio.gather(*(one(e) for e in self.all_events(job))))
+        events = self.all_events(job, whole=True)
+        work = asyncio.ensure_future(asyncio.gather(*(one(e) for e in events)))
         if disconnected is None:
             return list(await work)
         watcher: asyncio.Future | None = None
@@ -311,12 +318,20 @@ class Core:
             if not work.done():
                 gone = True
                 job.mark_undelivered()
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
+                await shielded(self._abort(job, work))
         if gone:
             raise ClientGone
         return list(work.result())
+
+    async def _abort(self, job: Job, work: asyncio.Future) -> None:
+        """Abort every choice of `job` on the engine, which then ends them with what they
+        generated so far (logged as undelivered turns); cancel them if it takes too long."""
+        rids = [f"{job.request_id}-{i}" for i in range(len(job.params))]
+        await asyncio.gather(*(_quiet(self.engine.abort(rid)) for rid in rids))
+        await asyncio.wait({work}, timeout=ABORT_WAIT_S)
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
 
     async def stream(
         self,
@@ -370,6 +385,13 @@ class Core:
                     await shielded(cleanup())
 
         return body()
+
+
+async def _whole(engine: Engine, *args: Any) -> AsyncIterator[Chunk]:
+    g = await engine.generate(*args)
+    yield Chunk(
+        g.output_ids, g.output_logprobs, g.output_versions, g.finish_reason, g.output_top_logprobs
+    )
 
 
 def _feed(event: Event, text: str, parser: ToolCallParser | None) -> None:

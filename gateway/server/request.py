@@ -9,8 +9,8 @@ one `SamplingParams` per choice); `Event` is what one engine chunk of one choice
 from __future__ import annotations
 
 import json
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +89,7 @@ class Job:
     params: list[SamplingParams]
     parse_tools: bool
     prefill: str
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    request_id: str = field(default_factory=lambda: secrets.token_hex(8))
     created: int = field(default_factory=lambda: int(time.time()))
     turns: list[Turn] = field(default_factory=list)
     client_gone: bool = False
