@@ -255,7 +255,7 @@ class IncrementalDecoder:
 
     def push(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        prefix_text = self._decode(self.ids[self._prefix : self._read]) if self._read else ""
         new_text = self._decode(self.ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
@@ -263,6 +263,8 @@ class IncrementalDecoder:
         return ""
 
     def finish(self) -> str:
+        if self._read == len(self.ids):  # nothing held back
+            return ""
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -471,3 +472,37 @@ async def test_smollm2_greedy_and_logprobs_match_hf(smollm2_path):
         ref = forward_logprobs(hf, prompt + out.output_ids, len(prompt))
         torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(score), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+async def test_smollm2_samples_follow_the_distribution_it_reports(smollm2_path):
+    """The log-probs the trainer corrects against are only right if the engine samples from
+    the distribution it reports: with a forced temperature of 0.7, the first token's frequencies
+    over many seeds match softmax(logits / 0.7), and not the T = 1 distribution."""
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name one color."}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+    n, temperature = 800, 0.7
+    async with LocalEngine(smollm2_path) as eng:
+        params = [SamplingParams(max_tokens=1, temperature=temperature, seed=s) for s in range(n)]
+        outs = await asyncio.gather(*(eng.generate(prompt, p) for p in params))
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+    want = torch.softmax(logits / temperature, -1)
+    for out in outs:  # each reported log-prob is that of the distribution it came from
+        assert math.isclose(out.output_logprobs[0], want[out.output_ids[0]].log(), abs_tol=1e-4)
+    seen = torch.zeros_like(want)
+    for out in outs:
+        seen[out.output_ids[0]] += 1 / n
+    # total variation over the 20 likeliest tokens and the rest as one bucket
+    top = torch.topk(want, 20).indices
+
+    def tv(p: torch.Tensor, q: torch.Tensor) -> float:
+        return 0.5 * ((p[top] - q[top]).abs().sum() + abs(p[top].sum() - q[top].sum())).item()
+
+    assert want[top[0]] < 0.8  # a spread distribution, so a wrong one would show
+    assert tv(seen, want) < 0.1  # sampling noise: ~0.05 at n = 800
+    assert tv(seen, torch.softmax(logits, -1)) > 0.2  # ~0.3

@@ -6,9 +6,10 @@ history (`gateway.render`; off the event loop when the input is large, so one bi
 stalls the others), resolves `max_tokens` (the configured default when absent) and builds a
 `Job`: the prompt ids and one `SamplingParams` per choice. `Core.events(job, i)` runs choice i on
 the engine and yields `Event`s (text, tool calls, tokens) for the surface to format; however a
-choice ends, its `Turn` is logged. `collect` runs every choice to the end and aborts them when the
-client goes away; `stream` starts them (errors before the first token are still HTTP errors) and
-returns the SSE body.
+choice ends, its `Turn` is logged. `collect` runs every choice to the end, each in one engine call
+(`Engine.generate`: SGLang answers once instead of one event per token), and aborts them on the
+engine when the client goes away (the engine ends them with what they made); `stream` starts
+them (errors before the first token are still HTTP errors) and returns the SSE body.
 
 A reply the client never received in full (it disconnected) is logged with `delivered=False`:
 such turns stay in the trajectory's `turns` but not in its segments (see `gateway.trajectory`).
