@@ -259,9 +259,9 @@ class Core:
             if not finished:
                 gen.finish_reason = "abort"
                 asyncio.get_running_loop().create_task(_quiet(self.engine.abort(rid)))
-                if stream is not None:
-                    with contextlib.suppress(BaseException):
-                        await stream.aclose()  # type: ignore[attr-defined]
+            if stream is not None:  # left at its last chunk: closed here, not by the GC's hook
+                with contextlib.suppress(BaseException):
+                    await stream.aclose()  # type: ignore[attr-defined]
             if gen.output_ids or finished:
                 called = finished and parser is not None and parser.calls
                 turn = Turn(
