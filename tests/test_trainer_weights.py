@@ -23,7 +23,10 @@ SEQ = [1, 15, 27, 300, 301, 302, 2]
 
 def trained_backend(path) -> TorchBackend:
     backend = TorchBackend(
-        path, TrainBackendConfig(device="cpu", lr=1e-2), AlgorithmConfig(), temperature=1.0
+        path,
+        TrainBackendConfig(device="cpu", lr=1e-2, dtype="fp32"),
+        AlgorithmConfig(),
+        temperature=1.0,
     )
     sample = TrainSample(SEQ, [0, 0, 0, 1, 1, 1, 1], [0.0] * 3 + [-10.0] * 4, 1.0)
     backend.train_step([sample])

@@ -42,7 +42,7 @@ from gateway.engines.base import Engine
 from gateway.models import resolve_model
 from gateway.server import Gateway, GatewayConfig
 from trainer.agentflow import AgentFlow, gateway_socket
-from trainer.backends import TrainBackend, make_backend
+from trainer.backends import TRAIN_BACKENDS, TrainBackend, make_backend
 from trainer.buffer import PromptStream
 from trainer.config import TrainerConfig, load
 from trainer.controller import Controller, StopRun
@@ -110,6 +110,9 @@ def resolve_dtype(cfg: TrainerConfig) -> str:
     device = train_device(cfg.train.device)
     asked = cfg.train.dtype
     dtype = train_dtype(asked, device)
+    if asked == "auto" and device.type == "cpu":  # bf16 only for a backend that has it on CPU
+        if not TRAIN_BACKENDS.attrs(cfg.train.kind).get("cpu_bf16", True):
+            dtype = torch.float32
     cfg.train.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
     if asked == "auto" and cfg.engine.kind == "local" and cfg.engine.dtype == "float32":
         cfg.engine.dtype = str(dtype).removeprefix("torch.")

@@ -23,7 +23,10 @@ TRAIN_BACKENDS.register(
     "torch", "trainer.backends.torch_backend:TorchBackend.from_config", parallel=False
 )
 TRAIN_BACKENDS.register(
-    "megatron", "trainer.backends.megatron.backend:MegatronBackend.from_config", parallel=True
+    "megatron",
+    "trainer.backends.megatron.backend:MegatronBackend.from_config",
+    parallel=True,
+    cpu_bf16=False,  # megatron-core's CPU path (gloo, no Transformer Engine) is fp32 only
 )
 
 

@@ -194,8 +194,8 @@ class MegatronBackend(BackendBase):
             ) from None
 
         self.cuda = torch.cuda.is_available()
-        if train.dtype == "auto":  # bf16 where native and faster (GPUs), else fp32
-            bf16 = train_dtype("auto", "cuda" if self.cuda else "cpu") == torch.bfloat16
+        if train.dtype == "auto":  # bf16 where native and faster on a GPU; fp32 on CPU (its only)
+            bf16 = self.cuda and train_dtype("auto", "cuda") == torch.bfloat16
             train = replace(train, dtype="bf16" if bf16 else "fp32")
         self.cfg = train
         self.algorithm = algorithm
