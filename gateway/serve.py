@@ -25,8 +25,9 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
+
+from uvicorn.loops.auto import auto_loop_factory
 
 from gateway.config import ConfigError, parse_cli
 from gateway.models import loongsage_home, resolve_model
@@ -109,18 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"error: model: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    # uvicorn's own choice of loop: uvloop where installed (uvicorn[standard] brings it), as
+    # the gateway's per-request cost is largely the event loop's
+    with asyncio.Runner(loop_factory=auto_loop_factory()) as runner:
         runner.run(serve(cfg))
-
-
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where it is installed (uvicorn[standard] brings it; uvicorn picks it
-    the same way): the gateway's per-request cost is largely the event loop's."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

@@ -798,38 +798,37 @@ class _Response:
         self.keep_alive = fields.get("connection", "").lower() != "close"
         self.done = False
 
+    def __enter__(self) -> _Response:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        """A read that failed because the watchdog aborted the connection is a timeout."""
+        if isinstance(exc, OSError | asyncio.IncompleteReadError) and self.conn.timed_out:
+            raise TimeoutError(f"no data for {self.timeout_s} s") from exc
+
     async def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives."""
-        conn = self.conn
-        try:
-            if not self.chunked:
-                data = await conn.reader.readexactly(self.length)
-                self.done = True
-                yield data
-                return
+        if not self.chunked:
+            yield await self.read()
+            return
+        reader = self.conn.reader
+        with self:
             while True:
-                size = int((await conn.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
                 if size == 0:
-                    await conn.reader.readuntil(b"\r\n")
+                    await reader.readuntil(b"\r\n")
                     self.done = True
                     return
-                data = await conn.reader.readexactly(size + 2)
-                conn.active = self.clock()
+                data = await reader.readexactly(size + 2)
+                self.conn.active = self.clock()
                 yield data[:-2]
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            if conn.timed_out:
-                raise TimeoutError(f"no data for {self.timeout_s} s") from exc
-            raise
 
     async def read(self) -> bytes:
+        """The whole body (a Content-Length one without a generator: the non-streaming path)."""
         if self.chunked:
             return b"".join([piece async for piece in self.pieces()])
-        try:
+        with self:
             data = await self.conn.reader.readexactly(self.length)
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            if self.conn.timed_out:
-                raise TimeoutError(f"no data for {self.timeout_s} s") from exc
-            raise
         self.done = True
         return data
 

@@ -198,7 +198,7 @@ class Core:
         `whole`: one engine call for the whole reply (`Engine.generate`), for a client that does
         not stream: SGLang then answers once instead of one event per token."""
         session = job.session
-        rid = f"{job.request_id}-{index}"
+        rid = job.rid(index)
         session.request_ids.add(rid)
         decoder = IncrementalDecoder(self.renderer)
         stops = StopTrimmer(job.req.stop)
@@ -327,8 +327,8 @@ class Core:
     async def _abort(self, job: Job, work: asyncio.Future) -> None:
         """Abort every choice of `job` on the engine, which then ends them with what they
         generated so far (logged as undelivered turns); cancel them if it takes too long."""
-        rids = [f"{job.request_id}-{i}" for i in range(len(job.params))]
-        await asyncio.gather(*(_quiet(self.engine.abort(rid)) for rid in rids))
+        aborts = (_quiet(self.engine.abort(job.rid(i))) for i in range(len(job.params)))
+        await asyncio.gather(*aborts)
         await asyncio.wait({work}, timeout=ABORT_WAIT_S)
         work.cancel()
         with contextlib.suppress(BaseException):

@@ -94,6 +94,10 @@ class Job:
     turns: list[Turn] = field(default_factory=list)
     client_gone: bool = False
 
+    def rid(self, index: int) -> str:
+        """The engine's request id of choice `index`."""
+        return f"{self.request_id}-{index}"
+
     def mark_undelivered(self) -> None:
         self.client_gone = True
         for turn in self.turns:
