@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import json
 import os
 
 import httpx
@@ -17,7 +18,7 @@ import pytest
 from fake_sglang import serve_fake
 
 from gateway.engines.base import Chunk, Engine, EngineError, SamplingParams
-from gateway.engines.sglang import SGLangEngine
+from gateway.engines.sglang import SGLangEngine, _parse_event
 
 REAL_URL = os.environ.get("SGLANG_URL")
 REAL_MODEL_DIR = os.environ.get("SGLANG_MODEL_DIR")
@@ -169,6 +170,54 @@ async def test_unreachable_server_is_engine_error():
             await dead.connect()
     finally:
         await dead.close()
+
+
+ANSWER = {
+    "text": "hi",
+    "output_ids": [7, 8],
+    "meta_info": {
+        "id": "r1",
+        "finish_reason": {"type": "length", "length": 2},
+        "completion_tokens": 2,
+        "weight_version": "3",
+        "weight_versions": [
+            {"version": "2", "start": 0, "end": 1},
+            {"version": "3", "start": 1, "end": 2},
+        ],
+        "output_token_logprobs": [[-0.5, 7, None], [-1, 8, "x"]],
+        "output_top_logprobs": [None, [[-1.0, 8, None]]],
+        "some_new_field": {"servers add": "fields"},
+    },
+}
+
+
+def _with(path: str, value: object) -> bytes:
+    answer = json.loads(json.dumps(ANSWER))
+    *parents, last = path.split(".")
+    node = answer
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return json.dumps(answer).encode()
+
+
+def test_answers_are_read_with_their_field_types_checked():
+
+    meta = _parse_event(json.dumps(ANSWER).encode())["meta_info"]
+    assert meta["output_token_logprobs"][1] == [-1, 8, "x"]
+    cases = {
+        "meta_info.completion_tokens": "2",
+        "meta_info.finish_reason": {"length": 2},
+        "meta_info.weight_versions": [{"version": 1.5, "start": 0, "end": 2}],
+        "meta_info.output_token_logprobs": [[-0.5, "7", None]],
+        "meta_info.output_top_logprobs": [[[-0.5, 7]]],
+        "error": "overloaded",
+    }
+    for path, value in cases.items():
+        with pytest.raises(EngineError, match="cannot read"):
+            _parse_event(_with(path, value))
+    with pytest.raises(EngineError, match="cannot read"):
+        _parse_event(b"<html>502</html>")
 
 
 async def test_abort_ends_stream_with_abort(engine):
