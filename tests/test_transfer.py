@@ -7,6 +7,8 @@ server (the fake) through the mesh."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import sys
 import time
 
@@ -25,6 +27,7 @@ from gateway.trajectory import Trajectory, Turn
 from trainer.actors import init_ray, spawn_engine
 from trainer.buffer import GroupBatcher, token_staleness
 from trainer.transfer import ROUTES, Receiver, StateDictSource, TransferConfig, TransferMesh
+from trainer.transfer.buckets import views
 from trainer.transfer.mesh import make_plan
 
 PROMPT = [1, 15, 27, 300, 301]
@@ -175,6 +178,101 @@ async def test_one_engine_here_and_two_on_this_host(actors, base, tiny_model_pat
     finally:
         await mesh.close()
         await local.close()
+
+
+class CountingSource(StateDictSource):
+    """The trainer's own tensors, counting what the push gathers from them."""
+
+    def __init__(self, state) -> None:
+        super().__init__(state)
+        self.gathered = 0
+
+    def hf_tensors(self, names):
+        self.gathered += len(names)
+        yield from super().hf_tensors(names)
+
+
+class LateReader:
+    """An engine beside which another reader of the same version is still busy when the push
+    ends (a receiver that timed out): it takes a shared lock on the segment, on its own open
+    file, while this engine applies, and keeps it."""
+
+    def __init__(self, engine, path: str) -> None:
+        self.engine, self.path, self.fd = engine, path, None
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def update_weights(self, state, version: int) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDONLY)
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+        await self.engine.update_weights(state, version)
+
+    async def health(self) -> bool:
+        return True
+
+
+async def test_shm_keeps_the_trainer_weights_in_its_segment(tiny_model_path, base):
+    """One copy per push: after the first push the sender's tensors live in the segment (the
+    optimizer updates them there) and later pushes gather nothing; a reader still holding a
+    version keeps that file unchanged while the sender moves on to a new one."""
+    from trainer.transfer import shm
+
+    engine = LocalEngine(tiny_model_path)
+    weights = perturbed(base, seed=300)
+    source = CountingSource(weights)
+    mesh = TransferMesh(source, [engine], TransferConfig(route="shm", bucket_mb=0.05))
+    path = mesh.routes["shm"].path
+    late = None
+    try:
+        version = engine.weight_version + 1
+        assert (await mesh.push(version)).delivered == 1
+        segment = shm._MAPPED[(path, True)]
+        first, size = segment.data.data_ptr(), len(segment.mm)
+
+        def in_first(t: torch.Tensor) -> bool:
+            return first <= t.data_ptr() < first + size
+
+        assert all(in_first(t) for t in weights.values())
+        gathered = source.gathered
+        with torch.no_grad():  # a train step: in place, into the segment
+            for t in weights.values():
+                t.mul_(1.5)
+        assert (await mesh.push(version + 1)).delivered == 1
+        assert source.gathered == gathered  # nothing gathered, nothing written: one copy
+        assert_same(await weights_of(engine), weights)
+
+        # A reader still on version+2 when the push ends keeps its file as it was.
+        late = LateReader(engine, path)
+        mesh.receivers[0].engine = late
+        assert (await mesh.push(version + 2)).delivered == 1
+        pushed = {k: t.clone() for k, t in weights.items()}
+        assert not any(in_first(t) for t in weights.values())
+        with torch.no_grad():
+            for t in weights.values():
+                t.add_(1.0)
+        old = torch.frombuffer(bytearray(os.pread(late.fd, 1 << 30, 0)), dtype=torch.uint8)
+        assert old[8:16].view(torch.int64).item() == version + 2
+        buckets = mesh._buckets
+        for b in buckets:
+            body = old[shm.HEADER + b.start : shm.HEADER + b.start + b.nbytes]
+            for name, tensor in views(body, b).items():
+                assert torch.equal(tensor, pushed[name]), f"{name} changed under its reader"
+        fcntl.flock(late.fd, fcntl.LOCK_UN)
+        mesh.receivers[0].engine = engine
+        assert (await mesh.push(version + 3)).delivered == 1
+        assert_same(await weights_of(engine), weights)
+        assert all(shm._MAPPED[(path, True)].holds(t) for t in weights.values())
+    finally:
+        await mesh.close()
+        await engine.close()
+        if late is not None and late.fd is not None:
+            os.close(late.fd)
+    # Closed: the tensors are back in private memory, with their values.
+    assert (path, True) not in shm._MAPPED
+    assert all(torch.isfinite(t).all() for t in weights.values())
 
 
 # ------------------------------------------------------------------------ failures mid-push

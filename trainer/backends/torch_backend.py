@@ -50,6 +50,7 @@ from trainer.backends.base import (
     train_dtype,
 )
 from trainer.config import AlgorithmConfig, TrainBackendConfig
+from trainer.transfer.endpoints import StateDictSource
 
 CHECKPOINT_FILE = "trainer.pt"
 
@@ -371,6 +372,11 @@ class TorchBackend(BackendBase):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def weight_source(self) -> StateDictSource:
+        """The push's view of the weights: the parameters themselves, which the shm route may
+        move into its segment (the optimizer then updates them there)."""
+        return StateDictSource(self.model.state_dict(keep_vars=True))
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         path = Path(path)

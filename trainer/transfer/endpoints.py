@@ -52,7 +52,8 @@ class WeightSource(Protocol):
 
 
 class StateDictSource:
-    """A `WeightSource` over an HF-named state dict (the torch backend's `state_dict()`).
+    """A `WeightSource` over an HF-named state dict: the torch backend's parameters, or any
+    tensors its owner keeps using (the shm route may move them into its segment, in place).
 
     Tied weights are one tensor under two names (`lm_head.weight` and
     `model.embed_tokens.weight`); the HF folder keeps the first name only, and so does this."""
@@ -72,7 +73,7 @@ class StateDictSource:
 
     def hf_tensors(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names:
-            yield name, self.tensors[name]
+            yield name, self.tensors[name].detach()
 
 
 def weight_source(owner: Any) -> WeightSource:

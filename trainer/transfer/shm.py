@@ -1,15 +1,21 @@
-"""The `shm` route: one write into a /dev/shm segment, every engine on the host reads it.
+"""The `shm` route: the trainer's weights live in a /dev/shm segment, every engine on the host
+copies them from there.
 
-The sender copies the version into one segment (a file in /dev/shm, mapped in both processes
-and kept mapped across pushes, so no push pays page faults), bucket by bucket, the next bucket
-gathered while the current one is copied; each receiver then hands views of the segment to its
-engine's `update_weights`, which copies them into its weights. Two copies in all, whatever the
-number of receivers: the write happens once and the reads run in parallel.
+The segment is a file in /dev/shm, mapped in both processes and kept mapped across pushes, so no
+push pays page faults. The first push writes the version into it, bucket by bucket (the next
+bucket gathered while the current one is copied), and then, where the sender's weights are
+tensors it may move (a `StateDictSource` over the trainer's own parameters), moves them into it:
+the trainer's optimizer then updates the segment in place, and later pushes copy nothing on the
+sender's side. Each receiver hands views of the segment to its engine's `update_weights`, which
+copies them into its weights: one copy per push (two for a sender whose tensors cannot move, such
+as a sharded trainer's gathered ones), and the reads of several receivers run in parallel.
 
 Consistency without a stop-the-world: the segment's header holds the version it contains (-1
-while it is written). Readers hold a shared `flock` on the segment while they read and apply; the
-writer takes it exclusively to write. A reader that is still busy with an older version (it
-timed out, and the mesh moved on) keeps its lock, so the writer unlinks the segment and writes a
+while it may change). Readers hold a shared `flock` on the segment while they read and apply;
+the sender holds it exclusively at every other time: while it writes, and between pushes, while
+the trainer changes its weights in place (`seal`, run once the receivers have answered). A
+reader that is still busy with an older version (it timed out, and the mesh moved on) keeps its
+lock, so the sender moves its weights back to private memory, unlinks the segment and writes a
 new file at the same path: the slow reader finishes on the old, complete inode, and nobody ever
 reads a half-written or mixed version. A reader that finds another version in the header fails
 and keeps its old weights.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import mmap
 import os
 import uuid
@@ -29,8 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from trainer.transfer.buckets import Bucket, pack, pipeline, total_bytes, views
-from trainer.transfer.endpoints import Placement, Receiver
+from trainer.transfer.endpoints import Placement, Receiver, ScriptedReads, StateDictSource
 from trainer.transfer.mesh import Delivery, Push, TransferConfig, apply_weights, guarded
+
+log = logging.getLogger("loongsage.transfer")
 
 SHM_DIR = "/dev/shm"
 HEADER = 4096
@@ -52,12 +61,20 @@ class _Mapped:
 
     def close(self) -> None:
         del self.data
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere: the mapping ends with it
+            pass
         os.close(self.fd)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        start = self.data.data_ptr()
+        return tensor.device.type == "cpu" and start <= tensor.data_ptr() < start + len(self.mm)
 
-_MAPPED: dict[str, _Mapped] = {}
-"""path -> this process's mapping of the segment (writer and readers both keep theirs)."""
+
+_MAPPED: dict[tuple[str, bool], _Mapped] = {}
+"""(path, writable) -> this process's mappings of the segment: the sender's and a reader's are
+two (two open files, two locks), even in one process."""
 
 
 def _map(path: str, size: int, writable: bool) -> _Mapped:
@@ -65,13 +82,14 @@ def _map(path: str, size: int, writable: bool) -> _Mapped:
     flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
     fd = os.open(path, flags, 0o600)
     inode = os.fstat(fd).st_ino
-    old = _MAPPED.get(path)
+    key = (path, writable)
+    old = _MAPPED.get(key)
     if old is not None and old.inode == inode and old.mm.size() >= size:
         os.close(fd)
         return old
     if old is not None:
         old.close()
-        del _MAPPED[path]
+        del _MAPPED[key]
     if writable and os.fstat(fd).st_size < size:
         os.ftruncate(fd, size)
     size = os.fstat(fd).st_size
@@ -80,32 +98,90 @@ def _map(path: str, size: int, writable: bool) -> _Mapped:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only for readers: they only copy
         data = torch.frombuffer(mm, dtype=torch.uint8)
-    _MAPPED[path] = _Mapped(fd, inode, mm, data)
-    return _MAPPED[path]
+    _MAPPED[key] = _Mapped(fd, inode, mm, data)
+    return _MAPPED[key]
 
 
 def write_segment(source, path: str, buckets: list[Bucket], version: int, overlap: bool) -> None:
-    """Sender side: write `version` into the segment at `path`."""
+    """Sender side: make the segment at `path` hold `version` (written, unless the sender's
+    weights already live in it), then unlock it for the readers."""
     size = HEADER + total_bytes(buckets)
-    seg = _map(path, size, writable=True)
+    seg = _exclusive(source, path, size)
     try:
-        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # a late reader still holds the old version: leave it that inode
-        os.unlink(path)
-        seg = _map(path, size, writable=True)
-        fcntl.flock(seg.fd, fcntl.LOCK_EX)
-    try:
-        seg.header[:3] = torch.tensor([MAGIC, -1, size - HEADER])
-        body = seg.data[HEADER:]
-        pipeline(
-            buckets,
-            lambda b: list(source.hf_tensors(b.names)),
-            lambda b, tensors: pack(tensors, b, body[b.start : b.start + b.nbytes]),
-            overlap,
-        )
+        own = _movable(source)
+        if own is None or not _lives_in(own, seg, buckets):
+            seg.header[:3] = torch.tensor([MAGIC, -1, size - HEADER])
+            body = seg.data[HEADER:]
+            pipeline(
+                buckets,
+                lambda b: list(source.hf_tensors(b.names)),
+                lambda b, tensors: pack(tensors, b, body[b.start : b.start + b.nbytes]),
+                overlap,
+            )
+            if own is not None:
+                _move_into(own, seg, buckets)
         seg.header[1] = version
     finally:
         fcntl.flock(seg.fd, fcntl.LOCK_UN)
+
+
+def seal(source, path: str, size: int) -> None:
+    """Sender side, once the readers have answered: lock the segment until the next push, since
+    the trainer may now change the weights that live in it."""
+    seg = _exclusive(source, path, size)
+    seg.header[1] = -1
+
+
+def _exclusive(source, path: str, size: int) -> _Mapped:
+    """The sender's mapping of the segment, locked exclusively. A reader still holding an older
+    version keeps that file as it is: the weights leave it and a new file takes the path."""
+    seg = _map(path, size, writable=True)
+    try:
+        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        own = _movable(source)
+        if own is not None:
+            _move_out(own, seg)
+        os.unlink(path)
+        seg = _map(path, size, writable=True)
+        fcntl.flock(seg.fd, fcntl.LOCK_EX)
+    return seg
+
+
+def _movable(source) -> StateDictSource | None:
+    """The sender's tensors, if they are ones it may move into the segment (a state dict of the
+    trainer's own parameters; a sharded trainer gathers copies, which it may not)."""
+    if isinstance(source, ScriptedReads):
+        source = source.source
+    return source if isinstance(source, StateDictSource) else None
+
+
+def _lives_in(own: StateDictSource, seg: _Mapped, buckets: list[Bucket]) -> bool:
+    base = seg.data.data_ptr() + HEADER
+    for b in buckets:
+        for spec, offset in zip(b.specs, b.offsets, strict=True):
+            t = own.tensors[spec.name]
+            if t.data_ptr() != base + b.start + offset or not t.is_contiguous():
+                return False
+    return True
+
+
+def _move_into(own: StateDictSource, seg: _Mapped, buckets: list[Bucket]) -> None:
+    """The sender's tensors become views of the segment (which holds their values)."""
+    body = seg.data[HEADER:]
+    with torch.no_grad():
+        for b in buckets:
+            for name, view in views(body[b.start : b.start + b.nbytes], b).items():
+                if seg.holds(view):
+                    own.tensors[name].set_(view)
+
+
+def _move_out(own: StateDictSource, seg: _Mapped) -> None:
+    """The sender's tensors that live in `seg` move to private memory (with their values)."""
+    with torch.no_grad():
+        for t in own.tensors.values():
+            if seg.holds(t):
+                t.set_(t.clone())
 
 
 async def read_segment(engine, path: str, buckets: list[Bucket], version: int, mode: str) -> float:
@@ -127,9 +203,13 @@ async def read_segment(engine, path: str, buckets: list[Bucket], version: int, m
 
 
 def forget(source, path: str) -> None:
-    """Drop this process's mapping of `path` (the sender's, when the mesh closes)."""
-    seg = _MAPPED.pop(path, None)
+    """Drop this process's mapping of `path` (the sender's, when the mesh closes); the sender's
+    weights that live in it move back to private memory first."""
+    seg = _MAPPED.pop((path, True), None)
     if seg is not None:
+        own = _movable(source)
+        if own is not None:
+            _move_out(own, seg)
         seg.close()
 
 
@@ -169,6 +249,10 @@ class ShmRoute:
         done = await asyncio.gather(
             *(guarded(r.run(read_segment, *args), self.cfg.timeout_s) for r in receivers)
         )
+        try:
+            await push.sender.run(seal, self.path, HEADER + total_bytes(push.buckets))
+        except Exception:  # noqa: BLE001 - the sender is gone: the next push reports it
+            log.warning("shm: sealing the segment after version %d failed", push.version)
         return {r.name: d for r, d in zip(receivers, done, strict=True)}
 
     async def close(self) -> None:
