@@ -4,7 +4,7 @@ route, and switches to them all at once or not at all.
     trainer process (WeightSource: HF names)          engines (receivers)
       hf_specs -> buckets -> pack k+1 | send k  ---->  in_process  same process: engine copies the tensors
                                                        cuda_ipc    same GPU node: SGLang maps the buckets
-                                                       shm         same host, CPU: one /dev/shm write, N reads
+                                                       shm         same host, CPU: weights live in /dev/shm, N reads
                                                        broadcast   gloo (CPU) / NCCL (GPU) group, one broadcast
                                                        disk        safetensors in a shared folder: anywhere
 

@@ -228,7 +228,7 @@ class ShmRoute:
             and not receiver.gpu
             and os.path.isdir(SHM_DIR)
         ):
-            return "same host, CPU: one write into /dev/shm, each engine reads it"
+            return "same host, CPU: the weights live in /dev/shm, each engine copies them"
         return ""
 
     async def push(self, push: Push, receivers: list[Receiver]) -> dict[str, Delivery]:
