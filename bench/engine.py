@@ -18,6 +18,12 @@ take (`machine.generation_seconds`: FLOPs and weight bytes counted from the mode
 printed too; a decode step reads its weights, it does not copy them. "GFLOP/s" is the workload's counted FLOPs
 over the wall time.
 
+One thread computes at a time: HF, the probes and the checks each run on a thread of their own
+that ends when they are done, and the engine exists only while it is measured (created, warmed
+up, timed, closed). A second live thread with an OpenMP team in the process slows every
+parallel region of the other ~1.5-2x on 2 cores (see `LocalEngine`), which would hit whichever
+side ran beside the other's idle threads.
+
 On a machine shared with other jobs, run `--threads 1`: with 2 torch threads and the cores
 busy, each small op of a decode step waits for a descheduled OpenMP thread (measured: a
 batch-1 step ~10x its matmuls alone), which measures the load, not the engine.
@@ -31,10 +37,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,6 +52,8 @@ from gateway import machine
 from gateway.engines.base import Generation, SamplingParams
 from gateway.engines.local import LocalEngine
 from gateway.models import model_name, resolve_model
+
+T = TypeVar("T")
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -124,12 +135,43 @@ def hf_runner(model: torch.nn.Module) -> Callable[[list[list[int]], int], list[l
     return generate
 
 
-def engine_runner(engine: LocalEngine) -> Callable[[list[list[int]], int], list[Generation]]:
-    async def run(prompts: list[list[int]], n: int) -> list[Generation]:
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        return list(await asyncio.gather(*(engine.generate(x, params) for x in prompts)))
+def alone(threads: int, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` on a thread of its own, which ends with it (its OpenMP team goes too)."""
 
-    return lambda prompts, n: asyncio.run(run(prompts, n))
+    def run() -> T:
+        torch.set_num_threads(threads)  # per thread
+        return fn(*args)
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(run).result()
+
+
+class EngineSide:
+    """The engine, alive only while it is measured: `with side.open(): side(prompts, n)`."""
+
+    def __init__(self, path: Path, max_batch_size: int) -> None:
+        self.path, self.max_batch_size = path, max_batch_size
+        self.engine: LocalEngine | None = None
+        self.forward, self.eos_token_ids = "", frozenset()
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[None]:
+        self.engine = LocalEngine(self.path, max_batch_size=self.max_batch_size)
+        self.forward, self.eos_token_ids = self.engine.forward, self.engine.eos_token_ids
+        try:
+            self(prompts_for(self.path, 2), 4)  # warm-up
+            yield
+        finally:
+            asyncio.run(self.engine.close())
+            self.engine = None
+
+    def __call__(self, prompts: list[list[int]], n: int) -> list[Generation]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+        async def run() -> list[Generation]:
+            return list(await asyncio.gather(*(self.engine.generate(x, params) for x in prompts)))
+
+        return asyncio.run(run())
 
 
 def agree(hf: list[int], engine: list[int], eos: frozenset[int]) -> bool:
@@ -166,16 +208,17 @@ def main() -> None:
         "--distinct", action="store_true", help="all prompts different (no shared prefill)"
     )
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)  # what the engine's thread takes
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model = alone(
+        threads, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    )
     shape = machine.ModelShape.from_config(hf_model.config)
-    engine = LocalEngine(path, max_batch_size=max(batches))
-    sides = {"hf": hf_runner(hf_model), "engine": engine_runner(engine)}
-    for run in sides.values():
-        run(prompts_for(path, 2), 4)  # warm-up
+    hf_generate = hf_runner(hf_model)
+    engine = EngineSide(path, max(batches))
+    alone(threads, hf_generate, prompts_for(path, 2), 4)  # warm-up
     baseline = rss_bytes()
     rates: dict[tuple[int, int, int], float] = {}
     memory = {"memcpy": 0.0, "read": 0.0}
@@ -193,25 +236,27 @@ def main() -> None:
     rows = []
     for batch in batches:
         prompts = prompts_for(path, batch, args.distinct)
-        outs, seconds, extra = {}, {k: float("inf") for k in sides}, dict.fromkeys(sides, 0)
+        sides = ("hf", "engine")
+        outs, seconds, extra = {}, dict.fromkeys(sides, float("inf")), dict.fromkeys(sides, 0)
         for _ in range(args.repeats):  # machine, HF, engine in turn: load changes hit all
-            probe(batch, sum(distinct_lengths(prompts)))
-            for name, run in sides.items():
-                before = rss_bytes()
-                outs[name], took, peak = peak_rss_during(
-                    lambda r=run, p=prompts: r(p, args.max_tokens)
-                )
+            alone(threads, probe, batch, sum(distinct_lengths(prompts)))
+            for name in sides:
+                run = engine if name == "engine" else lambda p, n: alone(threads, hf_generate, p, n)
+                with engine.open() if name == "engine" else contextlib.nullcontext():
+                    before = rss_bytes()
+                    outs[name], took, peak = peak_rss_during(
+                        lambda r=run, p=prompts: r(p, args.max_tokens)
+                    )
                 seconds[name] = min(seconds[name], took)
                 extra[name] = max(extra[name], peak - before)
         rows.append((batch, prompts, outs, seconds, extra))
-    asyncio.run(engine.close())
 
     lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
     distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
-        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with both "
-        f"models loaded {baseline / 2**20:.0f} MiB"
+        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's model loaded "
+        f"{baseline / 2**20:.0f} MiB"
     )
     for b in batches:
         if len(distinct[b]) < b:
@@ -221,7 +266,7 @@ def main() -> None:
                 "distinct prompt once, HF generate all)"
             )
     print(
-        f"machine: {machine.describe()}; memcpy {memory['memcpy']:.1f} GB/s (bytes copied), "
+        f"machine: {alone(threads, machine.describe)}; memcpy {memory['memcpy']:.1f} GB/s (bytes copied), "
         f"read {memory['read']:.1f} GB/s (the roofline's memory rate)"
     )
     print("\nmeasured linear-layer GFLOP/s, best kernel, [m, k] x [k, n]:")
@@ -235,10 +280,11 @@ def main() -> None:
             ]
             print(f"- batch {batch} {what}, m={m}: {', '.join(got)}")
     big = (1024, shape.hidden, shape.intermediate)
-    print(
-        f"- {big[0]}x{big[1]}x{big[2]}: fp32 {machine.measure_matmul(*big):.0f}, "
-        f"bf16 {machine.measure_matmul(*big, torch.bfloat16):.0f}"
+    fp32, bf16 = alone(
+        threads,
+        lambda: [machine.measure_matmul(*big, dt) for dt in (torch.float32, torch.bfloat16)],
     )
+    print(f"- {big[0]}x{big[1]}x{big[2]}: fp32 {fp32:.0f}, bf16 {bf16:.0f}")
     print(
         "\n| batch | HF generate tok/s | engine tok/s | roofline tok/s | engine/HF "
         "| engine of roofline | HF of roofline | engine GFLOP/s | same tokens | logprob err "
@@ -268,7 +314,7 @@ def main() -> None:
             agree(a, b.output_ids, engine.eos_token_ids)
             for a, b in zip(outs["hf"], outs["engine"], strict=True)
         )
-        err = logprob_error(hf_model, prompts, outs["engine"])
+        err = alone(threads, logprob_error, hf_model, prompts, outs["engine"])
         print(
             f"| {batch} | {hf_tps:.1f} | {en_tps:.1f} | {roof_tps:.1f} | {en_tps / hf_tps:.2f}x "
             f"| {en_tps / roof_tps:.0%} | {hf_tps / roof_tps:.0%} "

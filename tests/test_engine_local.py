@@ -380,6 +380,32 @@ BAD_REQUESTS = [
 ]
 
 
+def test_the_engine_loads_on_its_own_thread_and_load_errors_reach_the_caller(
+    tiny_model_path, monkeypatch
+):
+    """Its thread is the only one of the engine that runs torch (the load included), and a
+    bad load is the caller's exception, with no thread left behind."""
+    import threading
+
+    loaded_on = []
+    real = local.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local.AutoModelForCausalLM, "from_pretrained", spy)
+    eng = LocalEngine(tiny_model_path)
+    try:
+        assert loaded_on == [eng._thread] and loaded_on[0] is not threading.current_thread()
+    finally:
+        asyncio.run(eng.close())
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="max_context must be an integer in"):
+        LocalEngine(tiny_model_path, max_context=1)
+    assert threading.active_count() == before
+
+
 async def test_bad_input_names_the_field(tiny_model_path):
     eng = LocalEngine(tiny_model_path, max_context=64)
     try:

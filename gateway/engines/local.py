@@ -164,29 +164,7 @@ class LocalEngine:
         if forward not in ("auto", "transformers"):
             raise ValueError(f"forward must be 'auto' or 'transformers', got {forward!r}")
         self.model_path = resolve_model(str(model_path))
-        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype]).eval()
-        config = hf.config
-        limit = getattr(config, "max_position_embeddings", None) or 2**31
-        if max_context is None:
-            max_context = limit
-        if not isinstance(max_context, int) or not 2 <= max_context <= limit:
-            raise ValueError(f"max_context must be an integer in [2, {limit}], got {max_context!r}")
-        self._max_context = max_context
         self.max_batch_size = max_batch_size
-        self.vocab_size = hf.get_input_embeddings().num_embeddings
-        self.eos_token_ids = frozenset(
-            _ids(config.eos_token_id) | _ids(hf.generation_config.eos_token_id)
-        )
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        except Exception:  # stop strings are then rejected with a ValueError
-            self.tokenizer = None
-        lean = forward == "auto" and unsupported(config) is None
-        self._runner: Runner = LeanRunner(hf, max_batch_size) if lean else HFRunner(hf)
-        self.forward = "lean" if lean else "transformers"
-        """Which forward runs: the lean Llama one, or transformers' own (any other model)."""
-        self.model = self._runner.model
-        self._weights = self._runner.weights()
         self._version = 0
         self._ids = itertools.count()
         # Shared with callers: guarded by _lock. Everything else below is engine-thread only.
@@ -200,8 +178,47 @@ class LocalEngine:
         self._stop = False
         self._score_jobs: list[tuple[list[list[int]], list[int], Callable]] = []
         self._num_threads = torch.get_num_threads()
-        self._thread = threading.Thread(target=self._loop, name="loongsage-engine", daemon=True)
+        # The engine's thread loads the model too, and is the only thread of the engine that
+        # runs torch: a second thread's OpenMP team in the process (this one's, had it loaded
+        # the weights) makes every parallel region of the engine's thread wait on a sleeping
+        # worker, which measured 1.9x slower decode steps at batch 1 on 2 cores.
+        loaded: list[BaseException | None] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._main,
+            args=(dtype, max_context, forward, loaded, ready),
+            name="loongsage-engine",
+            daemon=True,
+        )
         self._thread.start()
+        ready.wait()
+        if loaded[0] is not None:
+            self._thread.join()
+            raise loaded[0]
+
+    def _load(self, dtype: str, max_context: int | None, forward: str) -> None:
+        hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype]).eval()
+        config = hf.config
+        limit = getattr(config, "max_position_embeddings", None) or 2**31
+        if max_context is None:
+            max_context = limit
+        if not isinstance(max_context, int) or not 2 <= max_context <= limit:
+            raise ValueError(f"max_context must be an integer in [2, {limit}], got {max_context!r}")
+        self._max_context = max_context
+        self.vocab_size = hf.get_input_embeddings().num_embeddings
+        self.eos_token_ids = frozenset(
+            _ids(config.eos_token_id) | _ids(hf.generation_config.eos_token_id)
+        )
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        except Exception:  # stop strings are then rejected with a ValueError
+            self.tokenizer = None
+        lean = forward == "auto" and unsupported(config) is None
+        self._runner: Runner = LeanRunner(hf, self.max_batch_size) if lean else HFRunner(hf)
+        self.forward = "lean" if lean else "transformers"
+        """Which forward runs: the lean Llama one, or transformers' own (any other model)."""
+        self.model = self._runner.model
+        self._weights = self._runner.weights()
 
     # ---------------------------------------------------------------- Engine protocol (callers)
 
@@ -392,8 +409,19 @@ class LocalEngine:
 
     # ------------------------------------------------------------------------- engine thread
 
-    def _loop(self) -> None:
+    def _main(self, dtype, max_context, forward, loaded: list, ready: threading.Event) -> None:
         torch.set_num_threads(self._num_threads)  # OpenMP settings are per thread
+        try:
+            self._load(dtype, max_context, forward)
+        except BaseException as exc:  # noqa: BLE001 - raised by __init__, in the caller's thread
+            loaded.append(exc)
+            ready.set()
+            return
+        loaded.append(None)
+        ready.set()
+        self._loop()
+
+    def _loop(self) -> None:
         # Commands change the cache in place too (an abort moves rows into holes), and the cache
         # is an inference tensor: everything on this thread runs in inference mode.
         with torch.inference_mode():
