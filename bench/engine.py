@@ -147,7 +147,7 @@ def alone(threads: int, fn: Callable[..., T], *args: object) -> T:
 
 
 class EngineSide:
-    """The engine, alive only while it is measured: `with side.open(): side(prompts, n)`."""
+    """The engine, alive only while it is measured: `with side.open() as run: run(prompts, n)`."""
 
     def __init__(self, path: Path, max_batch_size: int) -> None:
         self.path, self.max_batch_size = path, max_batch_size
@@ -155,12 +155,12 @@ class EngineSide:
         self.forward, self.eos_token_ids = "", frozenset()
 
     @contextlib.contextmanager
-    def open(self) -> Iterator[None]:
+    def open(self) -> Iterator[EngineSide]:
         self.engine = LocalEngine(self.path, max_batch_size=self.max_batch_size)
         self.forward, self.eos_token_ids = self.engine.forward, self.engine.eos_token_ids
         try:
             self(prompts_for(self.path, 2), 4)  # warm-up
-            yield
+            yield self
         finally:
             asyncio.run(self.engine.close())
             self.engine = None
@@ -218,6 +218,10 @@ def main() -> None:
     shape = machine.ModelShape.from_config(hf_model.config)
     hf_generate = hf_runner(hf_model)
     engine = EngineSide(path, max(batches))
+    sides = {  # each opens a runner: HF's on a thread of its own per call, the engine anew
+        "hf": lambda: contextlib.nullcontext(lambda p, n: alone(threads, hf_generate, p, n)),
+        "engine": engine.open,
+    }
     alone(threads, hf_generate, prompts_for(path, 2), 4)  # warm-up
     baseline = rss_bytes()
     rates: dict[tuple[int, int, int], float] = {}
@@ -236,13 +240,11 @@ def main() -> None:
     rows = []
     for batch in batches:
         prompts = prompts_for(path, batch, args.distinct)
-        sides = ("hf", "engine")
         outs, seconds, extra = {}, dict.fromkeys(sides, float("inf")), dict.fromkeys(sides, 0)
         for _ in range(args.repeats):  # machine, HF, engine in turn: load changes hit all
             alone(threads, probe, batch, sum(distinct_lengths(prompts)))
-            for name in sides:
-                run = engine if name == "engine" else lambda p, n: alone(threads, hf_generate, p, n)
-                with engine.open() if name == "engine" else contextlib.nullcontext():
+            for name, side in sides.items():
+                with side() as run:
                     before = rss_bytes()
                     outs[name], took, peak = peak_rss_during(
                         lambda r=run, p=prompts: r(p, args.max_tokens)
@@ -255,8 +257,8 @@ def main() -> None:
     distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
-        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's model loaded "
-        f"{baseline / 2**20:.0f} MiB"
+        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's "
+        f"model loaded {baseline / 2**20:.0f} MiB"
     )
     for b in batches:
         if len(distinct[b]) < b:
@@ -266,8 +268,8 @@ def main() -> None:
                 "distinct prompt once, HF generate all)"
             )
     print(
-        f"machine: {alone(threads, machine.describe)}; memcpy {memory['memcpy']:.1f} GB/s (bytes copied), "
-        f"read {memory['read']:.1f} GB/s (the roofline's memory rate)"
+        f"machine: {alone(threads, machine.describe)}; memcpy {memory['memcpy']:.1f} GB/s "
+        f"(bytes copied), read {memory['read']:.1f} GB/s (the roofline's memory rate)"
     )
     print("\nmeasured linear-layer GFLOP/s, best kernel, [m, k] x [k, n]:")
     names = {**{v: k for k, v in shape.linears().items()}, (shape.hidden, shape.vocab): "lm_head"}

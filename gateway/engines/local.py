@@ -66,6 +66,7 @@ import random
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
@@ -184,19 +185,19 @@ class LocalEngine:
         # runs torch: a second thread's OpenMP team in the process (this one's, had it loaded
         # the weights) makes every parallel region of the engine's thread wait on a sleeping
         # worker, which measured 1.9x slower decode steps at batch 1 on 2 cores.
-        loaded: list[BaseException | None] = []
-        ready = threading.Event()
+        loaded: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._main,
-            args=(dtype, max_context, forward, loaded, ready),
+            args=(dtype, max_context, forward, loaded),
             name="loongsage-engine",
             daemon=True,
         )
         self._thread.start()
-        ready.wait()
-        if loaded[0] is not None:
+        try:
+            loaded.result()
+        except BaseException:
             self._thread.join()
-            raise loaded[0]
+            raise
 
     def _load(self, dtype: str, max_context: int | None, forward: str) -> None:
         hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype]).eval()
@@ -411,16 +412,14 @@ class LocalEngine:
 
     # ------------------------------------------------------------------------- engine thread
 
-    def _main(self, dtype, max_context, forward, loaded: list, ready: threading.Event) -> None:
+    def _main(self, dtype: str, max_context: int | None, forward: str, loaded: Future) -> None:
         torch.set_num_threads(self._num_threads)  # OpenMP settings are per thread
         try:
             self._load(dtype, max_context, forward)
         except BaseException as exc:  # noqa: BLE001 - raised by __init__, in the caller's thread
-            loaded.append(exc)
-            ready.set()
+            loaded.set_exception(exc)
             return
-        loaded.append(None)
-        ready.set()
+        loaded.set_result(None)
         self._loop()
 
     def _loop(self) -> None:

@@ -1,8 +1,8 @@
 """`sglang` engine: an HTTP client of a real SGLang server, speaking token ids only.
 
 SGLang's own request classes (`sglang.srt.managers.io_struct`) do not import without a GPU, so
-the wire format is restated here field by field (answers checked by `_parse_event`), from SGLang's source
-(`io_struct.py`, `sampling/sampling_params.py`, `entrypoints/http_server.py`,
+the wire format is restated here field by field (answers checked by `_parse_event`), from
+SGLang's source (`io_struct.py`, `sampling/sampling_params.py`, `entrypoints/http_server.py`,
 `managers/tokenizer_manager.py`). Facts this client relies on:
 
 - `POST /generate` takes `input_ids`, `sampling_params`, `return_logprob`, `logprob_start_len`,
@@ -66,7 +66,65 @@ from gateway.engines.base import (
 from gateway.engines.placement import SGLANG_TRANSPORTS, Placement
 
 # ---------------------------------------------------------------------------------------------
-# Wire models (SGLang's field names and meanings)
+# Wire format: what SGLang answers, checked field by field
+
+
+def _parse_event(data: bytes) -> dict[str, Any]:
+    """One `/generate` answer or stream event, with the type of every field this client reads
+    checked (by hand: a pydantic model cost 3-4x the JSON parse itself on the gateway's
+    per-request path). Unknown fields are ignored, as SGLang adds them over time."""
+    try:
+        event = orjson.loads(data)
+        _check_answer(event)
+    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+        raise EngineError(f"SGLang sent an answer we cannot read ({exc}): {data[:200]!r}") from None
+    return event
+
+
+def _is(value: Any, kind: type | tuple[type, ...], name: str, optional: bool = True) -> Any:
+    """`value` if it is a `kind` (a bool is not an int here), or None where `optional`."""
+    if (value is None and optional) or (
+        isinstance(value, kind) and (kind is bool or type(value) is not bool)
+    ):
+        return value
+    raise TypeError(f"{name} is {value!r:.60}")
+
+
+def _check_answer(event: Any) -> None:
+    _is(event, dict, "the answer", optional=False)
+    if _is(event.get("error"), dict, "error") is not None:
+        _is(event["error"].get("message"), str, "error.message")
+    meta = _is(event.get("meta_info"), dict, "meta_info")
+    if meta is None:
+        return
+    finish = _is(meta.get("finish_reason"), dict, "finish_reason")
+    if finish is not None:
+        _is(finish["type"], str, "finish_reason.type", optional=False)
+        _is(finish.get("status_code"), int, "finish_reason.status_code")
+        _is(finish.get("message"), str, "finish_reason.message")
+    _is(meta.get("completion_tokens"), int, "completion_tokens")
+    _is(meta.get("weight_version"), (str, int), "weight_version")
+    for span in _is(meta.get("weight_versions"), list, "weight_versions") or ():
+        _is(span, dict, "a weight_versions span", optional=False)
+        _is(span["version"], (str, int), "weight_versions[].version", optional=False)
+        _is(span["start"], int, "weight_versions[].start", optional=False)
+        _is(span["end"], int, "weight_versions[].end", optional=False)
+    _check_entries(meta.get("output_token_logprobs"), "output_token_logprobs")
+    _check_entries(meta.get("input_token_logprobs"), "input_token_logprobs")
+    for row in _is(meta.get("output_top_logprobs"), list, "output_top_logprobs") or ():
+        _check_entries(row, "output_top_logprobs[]")
+
+
+def _check_entries(rows: Any, name: str) -> None:
+    """`[[logprob-or-null, token_id, text-or-null], ...]`."""
+    for entry in _is(rows, list, name) or ():
+        if (
+            type(entry) is not list
+            or len(entry) != 3
+            or type(entry[1]) is not int
+            or not (entry[0] is None or type(entry[0]) in (float, int))
+        ):
+            raise TypeError(f"{name} has the entry {entry!r:.60}")
 
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -561,8 +619,7 @@ class SGLangEngine:
             self._raise_for_status(response, path)
         try:
             result = orjson.loads(raw)
-            if type(result["success"]) is not bool:
-                raise TypeError("success is not a boolean")
+            _is(result["success"], bool, "success", optional=False)
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             if response.status_code == 400:
                 raise ValueError(f"SGLang rejected {path}: {_error_message(raw)}") from None
@@ -791,61 +848,6 @@ class _Response:
                 yield line
         if buffer:
             yield buffer
-
-
-def _parse_event(data: bytes) -> dict[str, Any]:
-    """One `/generate` answer or stream event, with the type of every field this client reads
-    checked (by hand: a pydantic model cost 3-4x the JSON parse itself on the gateway's
-    per-request path). Unknown fields are ignored, as SGLang adds them over time."""
-    try:
-        event = orjson.loads(data)
-        _check_answer(event)
-    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
-        raise EngineError(f"SGLang sent an answer we cannot read ({exc}): {data[:200]!r}") from None
-    return event
-
-
-def _is(value: Any, kind: type | tuple[type, ...], name: str, optional: bool = True) -> Any:
-    if (value is None and optional) or (isinstance(value, kind) and type(value) is not bool):
-        return value
-    raise TypeError(f"{name} is {value!r:.60}")
-
-
-def _check_answer(event: Any) -> None:
-    _is(event, dict, "the answer", optional=False)
-    if _is(event.get("error"), dict, "error") is not None:
-        _is(event["error"].get("message"), str, "error.message")
-    meta = _is(event.get("meta_info"), dict, "meta_info")
-    if meta is None:
-        return
-    finish = _is(meta.get("finish_reason"), dict, "finish_reason")
-    if finish is not None:
-        _is(finish["type"], str, "finish_reason.type", optional=False)
-        _is(finish.get("status_code"), int, "finish_reason.status_code")
-        _is(finish.get("message"), str, "finish_reason.message")
-    _is(meta.get("completion_tokens"), int, "completion_tokens")
-    _is(meta.get("weight_version"), (str, int), "weight_version")
-    for span in _is(meta.get("weight_versions"), list, "weight_versions") or ():
-        _is(span, dict, "a weight_versions span", optional=False)
-        _is(span["version"], (str, int), "weight_versions[].version", optional=False)
-        _is(span["start"], int, "weight_versions[].start", optional=False)
-        _is(span["end"], int, "weight_versions[].end", optional=False)
-    _check_entries(meta.get("output_token_logprobs"), "output_token_logprobs")
-    _check_entries(meta.get("input_token_logprobs"), "input_token_logprobs")
-    for row in _is(meta.get("output_top_logprobs"), list, "output_top_logprobs") or ():
-        _check_entries(row, "output_top_logprobs[]")
-
-
-def _check_entries(rows: Any, name: str) -> None:
-    """`[[logprob-or-null, token_id, text-or-null], ...]`."""
-    for entry in _is(rows, list, name) or ():
-        if (
-            type(entry) is not list
-            or len(entry) != 3
-            or type(entry[1]) is not int
-            or not (entry[0] is None or type(entry[0]) in (float, int))
-        ):
-            raise TypeError(f"{name} has the entry {entry!r:.60}")
 
 
 def _max_model_len(models: dict[str, Any]) -> int:

@@ -125,10 +125,10 @@ def write_segment(source, path: str, buckets: list[Bucket], version: int, overla
         fcntl.flock(seg.fd, fcntl.LOCK_UN)
 
 
-def seal(source, path: str, size: int) -> None:
+def seal(source, path: str, buckets: list[Bucket]) -> None:
     """Sender side, once the readers have answered: lock the segment until the next push, since
     the trainer may now change the weights that live in it."""
-    seg = _exclusive(source, path, size)
+    seg = _exclusive(source, path, HEADER + total_bytes(buckets))
     seg.header[1] = -1
 
 
@@ -250,7 +250,7 @@ class ShmRoute:
             *(guarded(r.run(read_segment, *args), self.cfg.timeout_s) for r in receivers)
         )
         try:
-            await push.sender.run(seal, self.path, HEADER + total_bytes(push.buckets))
+            await push.sender.run(seal, self.path, push.buckets)
         except Exception:  # noqa: BLE001 - the sender is gone: the next push reports it
             log.warning("shm: sealing the segment after version %d failed", push.version)
         return {r.name: d for r, d in zip(receivers, done, strict=True)}
