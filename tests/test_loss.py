@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import group_advantages, k3, policy_loss, reduce_metrics
+from gateway.trajectory import Trajectory, Turn
+from trainer.algorithms import (
+    group_advantages,
+    k3,
+    overlong_penalty,
+    policy_loss,
+    reduce_metrics,
+    subtract_overlong,
+    trajectory_advantages,
+)
+from trainer.buffer import Group
 from trainer.config import AlgorithmConfig
 
 LOG4 = math.log(4.0)
@@ -28,6 +38,36 @@ def test_grpo_advantages_by_hand():
 def test_drgrpo_advantages_skip_std():
     adv = group_advantages(t([1, 0, 0, 0]), "drgrpo")
     assert adv[0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def _reply(*lengths: int, cap: int | None = 64, delivered: bool = True) -> Trajectory:
+    turns = [Turn([1], [7] * n, [0.0] * n, [0] * n, "stop", max_tokens=cap) for n in lengths]
+    for turn in turns:
+        turn.delivered = delivered
+    return Trajectory("s", turns=turns)
+
+
+def test_overlong_penalty_by_hand():
+    # cap 64, buffer 16: free up to 48 tokens, then 1/16 per token, 1 at the cap
+    assert [overlong_penalty(_reply(n), 16) for n in (20, 48, 52, 60, 64)] == [0, 0, 0.25, 0.75, 1]
+    assert overlong_penalty(_reply(10, 56), 16) == 0.5  # the worst turn counts
+    assert overlong_penalty(_reply(64, cap=None), 16) == 0  # no cap, nothing to exceed
+    assert overlong_penalty(_reply(64, delivered=False), 16) == 0  # never seen, never trained
+    assert overlong_penalty(_reply(64), 0) == 0  # off
+
+
+@pytest.mark.parametrize("kind", ["grpo", "opd"])
+def test_overlong_penalty_is_taken_from_the_advantage(kind):
+    trajs = [_reply(20), _reply(60), _reply(64), _reply(30)]
+    trajs[0].reward, trajs[1].reward = 1.0, 1.0
+    group = Group(0, prompt=0, admitted_version=0, expected=4, trajectories=trajs)
+    advantages = trajectory_advantages([group.rewards], kind)
+    before = [list(a) for a in advantages]
+    metrics = subtract_overlong([group], advantages, buffer=16, penalty=0.5)
+    # penalties 0, 0.75, 1, 0, times 0.5
+    cut = [0.0, 0.375, 0.5, 0.0]
+    assert advantages[0] == pytest.approx([b - c for b, c in zip(before[0], cut, strict=True)])
+    assert metrics == {"overlong/frac": 0.5, "overlong/penalty_mean": pytest.approx(0.875 / 4)}
 
 
 def test_advantages_reject_bad_shape():

@@ -56,6 +56,7 @@ class ToySource:
             output_logprobs=[-7.0] * len(out_ids),
             output_versions=versions,
             finish_reason="stop",
+            max_tokens=6,
         )
         traj = Trajectory(f"{group_id}-{sample_index}", reward=float(rng.random() < 0.5))
         traj.turns.append(turn)
@@ -153,9 +154,13 @@ async def test_async_run_overlaps_and_bounds_staleness(tmp_path, tiny_model_path
     _, _, source, _, _ = await run_toy(
         tmp_path, tiny_model_path, "rollout.max_staleness=1", "run.steps=4",
         "rollout.num_samples_per_prompt=3", "run.checkpoint_every=0", "eval.every=0",
+        "algorithm.overlong_buffer=2",
     )  # fmt: skip
     rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
     assert all(r["staleness/max"] <= 1 for r in rows)
+    # replies of 2-6 tokens under a cap of 6: those of 5 and 6 lose 0.5 and 1
+    assert all(0 <= r["overlong/frac"] <= 1 for r in rows)
+    assert any(r["overlong/penalty_mean"] > 0 for r in rows)
     # batch v+1 was generated with version v while step v trained: generation overlapped it
     assert any(r["staleness/max"] == 1 for r in rows)
     assert len(source.spans) > 4 * 2 * 3  # and it ran ahead of the trainer

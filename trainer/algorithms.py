@@ -1,6 +1,7 @@
 """The RL math: group-normalized advantages and the one policy loss every train backend uses.
 
-The controller's train step reads: rewards per group -> `trajectory_advantages` -> samples
+The controller's train step reads: rewards per group -> `trajectory_advantages` (->
+`subtract_overlong` with a length penalty) -> samples
 (-> `add_distill_advantages` with teachers) -> the backend's step, which calls `policy_loss` ->
 weight push.
 
@@ -44,8 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.trajectory import Trajectory
 from trainer.backends.base import TrainSample
-from trainer.buffer import Batch
+from trainer.buffer import Batch, Group
 from trainer.config import AlgorithmConfig
 
 
@@ -73,6 +75,38 @@ def trajectory_advantages(
     if kind == "opd":
         return [[0.0] * len(r) for r in rewards_by_group]
     return [group_advantages(torch.tensor([r]), kind)[0].tolist() for r in rewards_by_group]
+
+
+def overlong_penalty(traj: Trajectory, buffer: int) -> float:
+    """DAPO's soft overlong punishment, in [0, 1]: 0 while every delivered turn stays `buffer`
+    or more tokens under its cap (`Turn.max_tokens`), rising linearly to 1 at the cap; the
+    trajectory's worst turn counts. 0 when `buffer` is 0 or no turn had a cap."""
+    worst = 0.0
+    for turn in traj.turns:
+        if buffer > 0 and turn.delivered and turn.max_tokens:
+            excess = len(turn.output_ids) - (turn.max_tokens - buffer)
+            worst = max(worst, min(1.0, excess / buffer))
+    return worst
+
+
+def subtract_overlong(
+    groups: Sequence[Group], advantages: list[list[float]], buffer: int, penalty: float
+) -> dict[str, float]:
+    """Each trajectory's advantage loses `penalty * overlong_penalty(traj, buffer)`, in place;
+    returns `overlong/frac` (share of trajectories penalized) and `overlong/penalty_mean`.
+
+    Unlike DAPO, which adds the punishment to the reward before group normalization, it is
+    taken from the advantage after: its scale is then the same under grpo, drgrpo and opd (where
+    rewards count for nothing), and a group of near-equal rewards cannot inflate it."""
+    cuts = [penalty * overlong_penalty(t, buffer) for g in groups for t in g.trajectories]
+    flat = iter(cuts)
+    for adv in advantages:
+        adv[:] = [a - next(flat) for a in adv]
+    n = max(len(cuts), 1)
+    return {
+        "overlong/frac": sum(c > 0 for c in cuts) / n,
+        "overlong/penalty_mean": sum(cuts) / n,
+    }
 
 
 def reverse_kl_advantages(

@@ -162,6 +162,12 @@ class AlgorithmConfig:
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     """`token_mean`: mean over all loss tokens of the batch; `seq_mean`: mean over sequences of
     each sequence's token mean."""
+    overlong_buffer: int = 0
+    """Soft overlong punishment (DAPO): a reply within this many tokens of its cap
+    (`rollout.max_tokens`) loses up to `overlong_penalty` of advantage, linearly, all of it at
+    the cap; under every `advantage` kind, the same for RL and distillation. 0: off."""
+    overlong_penalty: float = 1.0
+    """The advantage a reply at its cap loses (see overlong_buffer)."""
     num_minibatches: int = 1
     """Optimizer steps per train step (the batch is split); proximal log-probs are taken once at
     the start of the step, so PPO clipping bites from the second minibatch on."""
@@ -179,6 +185,8 @@ class AlgorithmConfig:
         _non_negative("kl_coef", self.kl_coef)
         _non_negative("entropy_coef", self.entropy_coef)
         _positive("num_minibatches", self.num_minibatches)
+        _non_negative("overlong_buffer", self.overlong_buffer)
+        _non_negative("overlong_penalty", self.overlong_penalty)
         if self.advantage == "opd" and not (self.distill.teachers and self.distill.coef):
             raise ValueError(
                 "advantage=opd learns from teachers alone: set algorithm.distill.teachers and a "

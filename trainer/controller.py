@@ -9,7 +9,8 @@
          └──────────────────────────────────────────────────────────────────────────────┘
 
 `Controller.train_step` is the algorithm, top to bottom: each group's rewards become
-advantages (`trajectory_advantages`, trainer/algorithms.py, beside the loss), the batch's
+advantages (`trajectory_advantages`, trainer/algorithms.py, beside the loss; replies near
+their token cap lose some with `algorithm.overlong_buffer`), the batch's
 segments become train samples (with teachers, each sampled token's advantage also gains its
 teacher's signal), the backend takes the loss and optimizer step, the weight push delivers the
 new weights to every engine, and the version moves. `run` is the loop around it: wait for a
@@ -58,7 +59,12 @@ from tqdm import tqdm
 
 from gateway.config import dump_yaml, to_dict
 from gateway.trajectory import Trajectory
-from trainer.algorithms import add_distill_advantages, distill_metrics, trajectory_advantages
+from trainer.algorithms import (
+    add_distill_advantages,
+    distill_metrics,
+    subtract_overlong,
+    trajectory_advantages,
+)
 from trainer.backends import TrainBackend, train_samples
 from trainer.buffer import Batch, GroupBatcher, PromptStream, StalenessGate
 from trainer.config import TrainerConfig
@@ -215,6 +221,11 @@ class Controller:
         algorithm = self.cfg.algorithm
         rewards = [group.rewards for group in batch.groups]
         advantages = trajectory_advantages(rewards, algorithm.advantage)
+        overlong = {}
+        if algorithm.overlong_buffer:
+            overlong = subtract_overlong(
+                batch.groups, advantages, algorithm.overlong_buffer, algorithm.overlong_penalty
+            )
         samples = train_samples(batch, advantages)
         distill = {}
         if self.teachers is not None:  # on-policy distillation: each token learns from its teacher
@@ -228,7 +239,14 @@ class Controller:
             report = await self.push.push(self.version + 1)
         await self._set_version(self.version + 1)
         self.samples.write(self.version, batch.trajectories)
-        return batch.metrics() | distill | train_metrics | report.metrics() | self.batcher.metrics()
+        return (
+            batch.metrics()
+            | overlong
+            | distill
+            | train_metrics
+            | report.metrics()
+            | self.batcher.metrics()
+        )
 
     async def _set_version(self, version: int) -> None:
         """The policy moved: the staleness window moves with it."""
