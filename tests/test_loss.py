@@ -41,9 +41,10 @@ def test_drgrpo_advantages_skip_std():
 
 
 def _reply(*lengths: int, cap: int | None = 64, delivered: bool = True) -> Trajectory:
-    turns = [Turn([1], [7] * n, [0.0] * n, [0] * n, "stop", max_tokens=cap) for n in lengths]
-    for turn in turns:
-        turn.delivered = delivered
+    turns = [
+        Turn([1], [7] * n, [0.0] * n, [0] * n, "stop", delivered=delivered, max_tokens=cap)
+        for n in lengths
+    ]
     return Trajectory("s", turns=turns)
 
 

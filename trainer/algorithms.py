@@ -81,12 +81,14 @@ def overlong_penalty(traj: Trajectory, buffer: int) -> float:
     """DAPO's soft overlong punishment, in [0, 1]: 0 while every delivered turn stays `buffer`
     or more tokens under its cap (`Turn.max_tokens`), rising linearly to 1 at the cap; the
     trajectory's worst turn counts. 0 when `buffer` is 0 or no turn had a cap."""
-    worst = 0.0
-    for turn in traj.turns:
-        if buffer > 0 and turn.delivered and turn.max_tokens:
-            excess = len(turn.output_ids) - (turn.max_tokens - buffer)
-            worst = max(worst, min(1.0, excess / buffer))
-    return worst
+    if buffer <= 0:
+        return 0.0
+    excess = [
+        len(t.output_ids) - (t.max_tokens - buffer)
+        for t in traj.turns
+        if t.delivered and t.max_tokens
+    ]
+    return min(1.0, max([0, *excess]) / buffer)
 
 
 def subtract_overlong(
@@ -98,10 +100,11 @@ def subtract_overlong(
     Unlike DAPO, which adds the punishment to the reward before group normalization, it is
     taken from the advantage after: its scale is then the same under grpo, drgrpo and opd (where
     rewards count for nothing), and a group of near-equal rewards cannot inflate it."""
-    cuts = [penalty * overlong_penalty(t, buffer) for g in groups for t in g.trajectories]
-    flat = iter(cuts)
-    for adv in advantages:
-        adv[:] = [a - next(flat) for a in adv]
+    cuts = []
+    for group, adv in zip(groups, advantages, strict=True):
+        for i, traj in enumerate(group.trajectories):
+            cuts.append(penalty * overlong_penalty(traj, buffer))
+            adv[i] -= cuts[-1]
     n = max(len(cuts), 1)
     return {
         "overlong/frac": sum(c > 0 for c in cuts) / n,
