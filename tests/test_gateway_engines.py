@@ -9,6 +9,7 @@ engine mode, Prometheus metrics.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
@@ -128,7 +129,24 @@ async def test_streamed_n_choices(gw):
     assert usage.completion_tokens == sum(len(t.output_ids) for t in turns)
 
 
-async def test_close_aborts_in_flight_and_logs_their_tokens(gw):
+class NoEos(DelegatingEngine):
+    """Never stops on EOS, so a reply sampled from the random tiny model cannot end by
+    itself before the test closes its session."""
+
+    def stream(self, input_ids, params, request_id=None, session_id=None):
+        params = dataclasses.replace(params, ignore_eos=True)
+        return super().stream(input_ids, params, request_id, session_id)
+
+
+async def test_close_aborts_in_flight_and_logs_their_tokens(engine, renderer, tiny_model_path):
+    gw = Gateway(NoEos(engine), tiny_model_path, GatewayConfig(auth="keys"), renderer=renderer)
+    try:
+        await _close_aborts_in_flight(gw)
+    finally:
+        await gw.aclose()
+
+
+async def _close_aborts_in_flight(gw):
     sid, key = gw.create_session()
     client = gw.openai_client(key, max_retries=0)
     task = asyncio.create_task(
