@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.algorithms import policy_loss
 from trainer.backends import TrainSample, make_backend
-from trainer.backends.torch_backend import TorchBackend, lr_factor
+from trainer.backends.torch_backend import TorchBackend, VocabLogprobs, lr_factor
 from trainer.config import AlgorithmConfig, TrainBackendConfig, TrainerConfig
 
 
@@ -53,6 +53,53 @@ BATCH = [
     sample([1, 99, 500, 501, 502, 503, 504, 2], 2, +0.5),
     sample([1, 99, 600, 2], 2, -0.5),
 ]
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_vocab_logprobs_equal_autograds_chain(softcap, bias):
+    """The fused LM-head log-probs and entropy, and their gradients, against the plain chain
+    (linear, softcap, temperature, log_softmax), in fp32 and under bf16 autocast. Rows span
+    several chunks; logits reach ~15, so a missed max shift or a wrong exp would show."""
+    torch.manual_seed(0)
+    n, h, v, temperature = 37, 16, 50, 0.7
+    hidden, weight = torch.randn(n, h) * 2, torch.randn(v, h)
+    b = torch.randn(v) if bias else None
+    targets = torch.randint(0, v, (n,))
+    g_logp, g_entropy = torch.randn(n), torch.randn(n)
+
+    def grads(fn, autocast):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((b,) if bias else ())]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, entropy = fn(*leaves)
+        ((logp * g_logp).sum() + (entropy * g_entropy).sum()).backward()
+        return [logp.detach(), entropy.detach()] + [t.grad for t in leaves]
+
+    def chain(hid, w, bb=None):
+        z = torch.nn.functional.linear(hid, w, bb).float()
+        if softcap:
+            z = torch.tanh(z / softcap) * softcap
+        logp = torch.log_softmax(z / temperature, -1)
+        return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    def fused(hid, w, bb=None):
+        return VocabLogprobs.apply(hid, w, bb, targets, temperature, softcap, True)
+
+    def ours(autocast):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr("trainer.backends.torch_backend.VOCAB_CHUNK_ELEMENTS", 8 * v)
+            return grads(fused, autocast)
+
+    truth = grads(chain, False)
+    names = ("logp", "entropy", "hidden", "weight", "bias")[: len(truth)]
+    for name, a, e in zip(names, ours(False), truth, strict=True):
+        assert a.dtype == e.dtype and torch.allclose(a, e, atol=1e-5, rtol=1e-5), name
+    # bf16: no further from fp32 than autocast's own chain is
+    for name, a, e, t in zip(names, ours(True), grads(chain, True), truth, strict=True):
+        assert a.dtype == e.dtype, name
+        assert (a - t).abs().max() <= 2 * (e - t).abs().max() + 1e-3, name
+    logp, entropy = VocabLogprobs.apply(hidden, weight, b, targets, temperature, softcap, False)
+    assert entropy.numel() == 0 and logp.shape == (n,)
 
 
 def test_logprobs_match_a_plain_forward_pass(tiny_model_path):
