@@ -89,8 +89,8 @@ MUTANTS = [
     Mutant(
         "trainer_wrong_temperature",
         "trainer/backends/torch_backend.py",
-        "    logits = logits / temperature\n",
-        "    logits = logits / temperature**0.5\n",
+        "                z.div_(temperature)\n",
+        "                z.div_(temperature**0.5)\n",
         (TRAINING,),
     ),
     Mutant(

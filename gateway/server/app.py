@@ -31,6 +31,7 @@ from gateway.engines.base import Engine
 from gateway.metrics import GatewayMetrics
 from gateway.render import Renderer, load_renderer
 from gateway.server.admin import admin_routes, check_reward, check_session_id
+from gateway.server.aio import shielded
 from gateway.server.auth import Auth
 from gateway.server.config import GatewayConfig
 from gateway.server.core import Core
@@ -50,6 +51,20 @@ from gateway.sessions import Session, SessionStore
 from gateway.trajectory import Status, Trajectory, TrajectoryLog
 
 log = logging.getLogger("loongsage.gateway")
+
+
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes its body however the response ends. Starlette leaves
+    the body's generator suspended when the response is cancelled inside `send` (a client that
+    stopped reading, a server ending its graceful shutdown), so the generator's cleanup (abort,
+    log the turns, end the session's request) would wait for garbage collection: a SIGTERM
+    drain then hung for `close_timeout_s` in `close_session`."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await shielded(self.body_iterator.aclose())  # type: ignore[attr-defined]
 
 
 class Gateway:
@@ -346,7 +361,7 @@ class Gateway:
                     job, out.events, out.end, out.error, lambda: self._end(session)
                 )
                 streaming = True
-                return StreamingResponse(
+                return ClosingStream(
                     body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
                 )
             try:
