@@ -400,10 +400,14 @@ def test_the_engine_loads_on_its_own_thread_and_load_errors_reach_the_caller(
         assert loaded_on == [eng._thread] and loaded_on[0] is not threading.current_thread()
     finally:
         asyncio.run(eng.close())
-    before = threading.active_count()
+
+    def engine_threads() -> list[threading.Thread]:  # other tests' threads come and go
+        return [t for t in threading.enumerate() if t.name == eng._thread.name]
+
+    before = engine_threads()
     with pytest.raises(ValueError, match="max_context must be an integer in"):
         LocalEngine(tiny_model_path, max_context=1)
-    assert threading.active_count() == before
+    assert engine_threads() == before
 
 
 async def test_bad_input_names_the_field(tiny_model_path):

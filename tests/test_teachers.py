@@ -6,7 +6,6 @@ SGLang release/resume path against the protocol-faithful fake server."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import os
 import random
@@ -34,7 +33,7 @@ from trainer.run import train
 from trainer.teachers.config import DistillConfig, TeacherConfig, parse_bytes
 from trainer.teachers.make import made_teacher
 from trainer.teachers.manager import TeacherError, TeacherManager, check_not_uniform
-from trainer.teachers.residency import weight_bytes
+from trainer.teachers.residency import release_freed_memory, weight_bytes
 
 
 def make_teacher(base, out, seed: int, hidden: int = 64, zero: bool = False):
@@ -171,8 +170,10 @@ def big_teachers(tmp_path_factory, tiny_model_path):
 
 
 async def peak_rss_of(coroutine) -> tuple[int, int]:
-    """(peak RSS - RSS before, most local engines open at once) while `coroutine` runs."""
-    gc.collect()
+    """(peak RSS - RSS before, most local engines open at once) while `coroutine` runs. The
+    heap is trimmed first: free pages left by earlier tests would otherwise take some of the
+    load unseen, in one measurement and not in another."""
+    release_freed_memory()
     baseline, before = rss(), open_engines()
     with Sampler() as sampler:
         await coroutine
