@@ -56,14 +56,16 @@ def main() -> None:
         {k for runs in arms.values() for c, _ in runs for k in c if k.startswith("eval/")}
     )
     keys.append("distill/reverse_kl")
+    means = {label: {k: mean(runs, k) for k in keys} for label, runs in arms.items()}
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         for color, (label, runs) in zip(("C0", "C1"), arms.items(), strict=True):
-            for series, _ in runs if len(runs) > 1 else ():
-                points = sorted(series.get(key, {}).items())
-                ax.plot([p[0] for p in points], [p[1] for p in points], "-", c=color, lw=0.6,
-                        alpha=0.4)  # fmt: skip
-            points = sorted(mean(runs, key).items())
+            if len(runs) > 1:  # each seed, thin, under the mean
+                for series, _ in runs:
+                    points = sorted(series.get(key, {}).items())
+                    ax.plot([p[0] for p in points], [p[1] for p in points], "-", c=color,
+                            lw=0.6, alpha=0.4)  # fmt: skip
+            points = means[label][key].items()
             ax.plot([p[0] for p in points], [p[1][0] for p in points], "o-", c=color, ms=3,
                     label=f"{label}, {len(runs)} seed(s)")  # fmt: skip
         ax.set_title(key, fontsize=9)
@@ -79,19 +81,20 @@ def main() -> None:
         print(
             f"\n{label}: mean of {len(runs)} run(s) (the runs' values after it); wall {walls} min"
         )
-        means = {k: mean(runs, k) for k in keys}
-        steps = sorted({s for m in means.values() for s in m})
+        steps = sorted({s for m in means[label].values() for s in m})
         print("step  " + "  ".join(f"{k:>30}" for k in keys))
         for step in steps:
             cells = []
             for k in keys:
-                m, values = means[k].get(step, (None, []))
+                m, values = means[label][k].get(step, (None, []))
                 seeds = "/".join(f"{v:.2f}" for v in values) if len(values) > 1 else ""
                 cells.append("" if m is None else f"{m:.3f} {seeds}".rstrip())
             print(f"{step:>4}  " + "  ".join(f"{c:>30}" for c in cells))
 
 
-def mean(runs: list[tuple[dict[str, dict[int, float]], float]], key: str) -> dict:
+def mean(
+    runs: list[tuple[dict[str, dict[int, float]], float]], key: str
+) -> dict[int, tuple[float, list[float]]]:
     """Step -> (mean over the runs that logged `key` at that step, their values)."""
     by_step: dict[int, list[float]] = {}
     for series, _ in runs:
