@@ -9,6 +9,7 @@ from typing import Literal
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium import spaces
 from gymnasium.utils.env_checker import check_env
 
 import envs
@@ -503,3 +504,11 @@ def test_any_text_space():
     assert not space.contains("x" * (space.max_length + 1))
     space.seed(0)
     assert space.contains(space.sample())
+    # the whole BMP's charset tables, built once and shared by every space (an env per rollout)
+    full = spaces.Text(8, charset=envs.base._BMP)  # noqa: SLF001
+    for name in ("_char_set", "_char_list", "_char_index", "_char_str"):
+        assert getattr(space, name) == getattr(full, name)
+        assert getattr(AnyText(8, min_length=2), name) is getattr(space, name)
+    assert len(AnyText(8, min_length=2).sample()) in range(2, 9)
+    with pytest.raises(ValueError, match="min_length"):
+        AnyText(2, min_length=3)

@@ -35,8 +35,9 @@ class EngineConfig:
     """SGLang server base URLs (kind=sglang), e.g. [http://10.0.0.5:30000]."""
     dtype: str = "float32"
     """Weights dtype of the local engine (float32, bfloat16, float16)."""
-    max_batch_size: int = 32
-    """Most sequences the local engine decodes together."""
+    max_batch_size: int = 64
+    """Most sequences the local engine decodes together (a decode step at 64 rows made 1.3x
+    the tokens/s of one at 32 on a 2-core Xeon, README; its KV cache grows only as rows come)."""
     max_context: int | None = None
     """Longest prompt + output of the local engine; None = the model's own limit."""
     replicas: int = 1

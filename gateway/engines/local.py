@@ -156,7 +156,7 @@ class LocalEngine:
         model_path: str | Path,
         *,
         dtype: str = "float32",
-        max_batch_size: int = 32,
+        max_batch_size: int = 64,
         max_context: int | None = None,
         forward: Literal["auto", "transformers"] = "auto",
     ) -> None:
