@@ -300,3 +300,31 @@ async def test_mid_run_eval_overlaps_the_next_train_step_and_sees_one_version(
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # one line per step, eval included
     assert [r["eval/success_rate"] for r in rows] == [0.0, 0.1, 0.2, 0.3]
     assert all(r["time/eval_s"] >= 0 for r in rows[1:])
+
+
+async def test_rollouts_stop_before_the_final_evaluation(tmp_path, tiny_model_path):
+    """Nothing trains on rollouts after the last step: the final evaluation does not share the
+    engines with them (a mid-run one does), and their prompts stay in the final checkpoint."""
+    cfg = config(tmp_path, "run.steps=2", "eval.every=1", "rollout.max_staleness=1")
+    running: dict[int, int] = {}
+
+    class SlowSource(ToySource):
+        async def rollout(self, prompt, **kw) -> Trajectory:
+            await asyncio.sleep(0.2)
+            return await super().rollout(prompt, **kw)
+
+    class InflightEvaluator:
+        async def evaluate(self, step: int) -> dict[str, float]:
+            running[step] = len(ctl._tasks)
+            return {}
+
+    source = SlowSource()
+
+    ctl = Controller(
+        cfg, backend_for(cfg, tiny_model_path), source, ToyPush(source),
+        evaluator=InflightEvaluator(),
+    )  # fmt: skip
+    await ctl.run()
+    assert running[1] > 0 and running[2] == 0, running
+    state = torch.load(tmp_path / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)
+    assert state["extra"]["controller"]["pending"], state["extra"]["controller"]

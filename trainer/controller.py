@@ -33,7 +33,9 @@ crash. Something that cannot go on (a broken teacher) raises `StopRun`: the run 
 checkpoint and stops with that error, to be resumed once it is fixed. Evaluation (an
 `Evaluator`) runs at step 0, every `eval.every` steps and at the end. One in mid-run does not
 hold the trainer: it runs beside the next train step and is awaited before that step's weight
-push (so it sees one version); its step's metrics line is written then.
+push (so it sees one version); its step's metrics line is written then. Rollouts stop after the
+last train step, so the final evaluation has the engines to itself (nothing would train on them;
+their prompts are in the final checkpoint, to be re-admitted by a run resumed with more steps).
 
 Checkpoints hold the backend state and the controller's: the prompt stream position, the next
 group id and the prompts admitted but not yet trained (re-admitted first on resume, under their
@@ -192,6 +194,8 @@ class Controller:
                     summary.record(line | evaluation, evaluation)
                     self.log.log(version, line | evaluation | {"time/eval_s": seconds})
                     pending = None
+                if self.version >= self.cfg.run.steps:  # the final evaluation has the engines
+                    await self._stop_rollouts(admission)
                 evaluation = await self._evaluate_and_checkpoint(timer)
                 metrics |= self._loop_metrics(batch, timer)
                 if isinstance(evaluation, asyncio.Task):
