@@ -1,7 +1,7 @@
 """The embedded engine against HF `generate` and against this machine's roofline, in one run.
 
-    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,32]
-                           [--repeats 3] [--threads N]
+    python bench/engine.py [--model smollm2] [--max-tokens 32] [--batches 1,32,64]
+                           [--repeats 3] [--threads N] [--dtype float32|bfloat16]
 
 Same chat prompts, greedy, every request generating exactly `--max-tokens` new tokens (the
 engine with `ignore_eos`, HF with `min_new_tokens`). HF runs a whole batch as one left-padded
@@ -12,8 +12,8 @@ alike); each keeps its best repeat.
 
 The roofline is measured in the same run, before each repeat (`gateway/machine.py`; best of
 the repeats): this machine's matmul GFLOP/s on the shapes each phase runs (prefill, decode at
-the batch's size, the LM head) and its memory read rate give the least time the workload can
-take (`machine.generation_seconds`: FLOPs and weight bytes counted from the model config);
+the batch's size, the LM head; in `--dtype`) and its memory read rate give the least time the
+workload can take (`machine.generation_seconds`: FLOPs and weight bytes counted from the model config);
 "of roofline" is achieved tokens/s over that bound. memcpy (bytes copied per second) is
 printed too; a decode step reads its weights, it does not copy them. "GFLOP/s" is the workload's counted FLOPs
 over the wall time.
@@ -149,14 +149,14 @@ def alone(threads: int, fn: Callable[..., T], *args: object) -> T:
 class EngineSide:
     """The engine, alive only while it is measured: `with side.open() as run: run(prompts, n)`."""
 
-    def __init__(self, path: Path, max_batch_size: int) -> None:
-        self.path, self.max_batch_size = path, max_batch_size
+    def __init__(self, path: Path, max_batch_size: int, dtype: str) -> None:
+        self.path, self.max_batch_size, self.dtype = path, max_batch_size, dtype
         self.engine: LocalEngine | None = None
         self.forward, self.eos_token_ids = "", frozenset()
 
     @contextlib.contextmanager
     def open(self) -> Iterator[EngineSide]:
-        self.engine = LocalEngine(self.path, max_batch_size=self.max_batch_size)
+        self.engine = LocalEngine(self.path, dtype=self.dtype, max_batch_size=self.max_batch_size)
         self.forward, self.eos_token_ids = self.engine.forward, self.engine.eos_token_ids
         try:
             self(prompts_for(self.path, 2), 4)  # warm-up
@@ -199,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF folder")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
-    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--batches", default="1,32,64", help="comma-separated batch sizes")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side; best is kept")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
@@ -207,17 +207,21 @@ def main() -> None:
     parser.add_argument(
         "--distinct", action="store_true", help="all prompts different (no shared prefill)"
     )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="HF's and the engine's"
+    )
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # what the engine's thread takes
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     hf_model = alone(
-        threads, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        threads, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     )
     shape = machine.ModelShape.from_config(hf_model.config)
     hf_generate = hf_runner(hf_model)
-    engine = EngineSide(path, max(batches))
+    engine = EngineSide(path, max(batches), args.dtype)
     sides = {  # each opens a runner: HF's on a thread of its own per call, the engine anew
         "hf": lambda: contextlib.nullcontext(lambda p, n: alone(threads, hf_generate, p, n)),
         "engine": engine.open,
@@ -231,9 +235,10 @@ def main() -> None:
         """Re-measure this batch's matmul shapes and memcpy; keep each one's best so far."""
         for m in (prompt_tokens, batch):
             for i, o in [*shape.linears().values(), (shape.hidden, shape.hidden)]:
-                rates[m, i, o] = max(rates.get((m, i, o), 0), machine.measure_matmul(m, i, o))
+                got = machine.measure_matmul(m, i, o, dtype)
+                rates[m, i, o] = max(rates.get((m, i, o), 0), got)
         head = (batch, shape.hidden, shape.vocab)
-        rates[head] = max(rates.get(head, 0), machine.measure_matmul(*head))
+        rates[head] = max(rates.get(head, 0), machine.measure_matmul(*head, dtype))
         memory["memcpy"] = max(memory["memcpy"], machine.measure_memcpy())
         memory["read"] = max(memory["read"], machine.measure_read())
 
@@ -256,7 +261,7 @@ def main() -> None:
     lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
     distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
     print(
-        f"\n{model_name(args.model)}, fp32, greedy, {args.max_tokens} new tokens per request, "
+        f"\n{model_name(args.model)}, {args.dtype}, greedy, {args.max_tokens} new tokens per request, "
         f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's "
         f"model loaded {baseline / 2**20:.0f} MiB"
     )
@@ -302,6 +307,7 @@ def main() -> None:
             args.max_tokens,
             lambda *mkn: rates[mkn],
             memory["read"],
+            dtype,
             distinct=distinct[batch],
         )
         roof_tps = new / bound
