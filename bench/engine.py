@@ -13,10 +13,10 @@ alike); each keeps its best repeat.
 The roofline is measured in the same run, before each repeat (`gateway/machine.py`; best of
 the repeats): this machine's matmul GFLOP/s on the shapes each phase runs (prefill, decode at
 the batch's size, the LM head; in `--dtype`) and its memory read rate give the least time the
-workload can take (`machine.generation_seconds`: FLOPs and weight bytes counted from the model config);
-"of roofline" is achieved tokens/s over that bound. memcpy (bytes copied per second) is
-printed too; a decode step reads its weights, it does not copy them. "GFLOP/s" is the workload's counted FLOPs
-over the wall time.
+workload can take (`machine.generation_seconds`: FLOPs and weight bytes counted from the model
+config); "of roofline" is achieved tokens/s over that bound. memcpy (bytes copied per second)
+is printed too; a decode step reads its weights, it does not copy them. "GFLOP/s" is the
+workload's counted FLOPs over the wall time.
 
 One thread computes at a time: HF, the probes and the checks each run on a thread of their own
 that ends when they are done, and the engine exists only while it is measured (created, warmed
@@ -261,8 +261,8 @@ def main() -> None:
     lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
     distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
     print(
-        f"\n{model_name(args.model)}, {args.dtype}, greedy, {args.max_tokens} new tokens per request, "
-        f"best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's "
+        f"\n{model_name(args.model)}, {args.dtype}, greedy, {args.max_tokens} new tokens per "
+        f"request, best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's "
         f"model loaded {baseline / 2**20:.0f} MiB"
     )
     for b in batches:
