@@ -17,6 +17,11 @@ the trainer's `dtype: auto` asks `auto_dtype`, and MFU divides counted FLOPs by 
   on CPUs without it (AVX2-only laptops and VMs) bf16 matmuls are emulated and 6-15x slower
   than fp32. `auto_dtype` picks bf16 only where it is native AND measured faster.
 
+`CoreBoard`: CPU lending between the processes of one run on one machine. Each process holds
+its own cores (a Ray actor's CPUs, as many torch threads); each marks itself busy or idle in a
+few shared bytes, and a process that can use more cores (the trainer) computes with those of
+the idle ones too, re-reading the board between layers.
+
 FLOPs (`ModelShape`) count 2 per multiply-add of the matmuls: the linear layers (with q/k/v and
 gate/up fused, as a fast implementation runs them), the LM head on the positions whose logits
 are computed, and attention's QK^T and PV. Norms, activations, RoPE and softmax are left out
@@ -26,7 +31,10 @@ are computed, and attention's QK^T and PV. Norms, activations, RoPE and softmax 
 from __future__ import annotations
 
 import functools
+import mmap
+import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -247,6 +255,54 @@ def describe(device: str = "cpu") -> str:
         f"{name}, {torch.get_num_threads()} torch threads, {capability}, "
         f"bf16 native: {'yes' if native_bf16(device) else 'no'}"
     )
+
+
+class CoreBoard:
+    """Which processes of a run on one machine are computing, in two shared bytes per slot
+    (state, cores held), so that one can borrow the cores the idle others hold. `create` makes
+    the board (slot 0, the borrower); each other process opens it by path with a slot of its
+    own. A slot never marked is absent and lends nothing."""
+
+    ABSENT, IDLE, BUSY = 0, 1, 2
+
+    def __init__(self, path: str, slot: int) -> None:
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 0)
+        if not 0 <= slot < len(self._map) // 2:
+            raise ValueError(f"slot must be in [0, {len(self._map) // 2}), got {slot}")
+        self.path, self.slot = path, slot
+        self._owner = False
+
+    @classmethod
+    def create(cls, slots: int) -> CoreBoard:
+        """A new board of `slots` slots in shared memory (removed by `close`); this is slot 0."""
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="loongsage-cores-", dir=shm)
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(2 * slots))
+        board = cls(path, 0)
+        board._owner = True
+        return board
+
+    def mark(self, busy: bool, cores: int) -> None:
+        """This slot is computing (`busy`) or not, holding `cores` cores (1-255)."""
+        at = 2 * self.slot
+        state = self.BUSY if busy else self.IDLE
+        if self._map[at] != state or self._map[at + 1] != cores:
+            self._map[at + 1] = cores
+            self._map[at] = state
+
+    def idle_cores(self) -> int:
+        """Cores held by the other slots that are idle now."""
+        m, own = self._map, 2 * self.slot
+        return sum(m[i + 1] for i in range(0, len(m), 2) if i != own and m[i] == self.IDLE)
+
+    def close(self) -> None:
+        """Leave the board (this slot lends nothing from now on); its creator removes it."""
+        self._map[2 * self.slot] = self.ABSENT
+        self._map.close()
+        if self._owner:
+            os.unlink(self.path)
 
 
 def _linear_kernels(device: str) -> list[Callable]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway import machine
 from gateway.engines import local
 from gateway.engines.base import Chunk, Engine, EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
@@ -238,6 +240,50 @@ async def test_abort_frees_the_slot(tiny_model_path):
         assert eng.load == 0, eng._active
     finally:
         await eng.close()
+
+
+async def test_the_engine_shares_its_cores(engine, monkeypatch):
+    """On a CoreBoard the engine is busy while it has a request and idle (lending its threads)
+    as soon as it has none, paused included; closing it takes its slot off the board. With
+    `borrow`, its forwards run with the idle others' cores too, re-read before each step."""
+    board = machine.CoreBoard.create(2)
+    own = torch.get_num_threads()
+    set_threads = torch.set_num_threads
+    engine_threads: list[int] = []
+
+    def spy(n: int) -> None:
+        if threading.current_thread().name == "loongsage-engine":
+            engine_threads.append(n)
+        set_threads(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", spy)
+
+    async def until(check) -> None:
+        for _ in range(200):  # the loop marks at its next iteration
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        assert check()
+
+    try:
+        board.mark(busy=False, cores=3)  # the trainer, waiting
+        engine.share_cores(machine.CoreBoard(board.path, 1), borrow=True)
+        await until(lambda: board.idle_cores() == own)
+        stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=4000, ignore_eos=True))
+        await anext(stream)
+        assert board.idle_cores() == 0 and engine_threads == [own + 3]
+        board.mark(busy=True, cores=3)  # the trainer's step begins: the engine gives it back
+        await until(lambda: engine_threads == [own + 3, own])
+        await engine.pause("in_place")
+        await until(lambda: board.idle_cores() == own)
+        await engine.resume()
+        await until(lambda: board.idle_cores() == 0)
+        await stream.aclose()
+        await until(lambda: board.idle_cores() == own)
+        await engine.close()
+        assert board.idle_cores() == 0
+    finally:
+        board.close()
 
 
 async def test_closing_a_stream_aborts_it(engine):

@@ -1,7 +1,9 @@
 """gateway/machine.py: FLOPs and bytes counted from a model config (hand-checked), the roofline
-built from them, and the machine probes."""
+built from them, the machine probes, and the CoreBoard of CPU lending."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -92,3 +94,26 @@ def test_auto_dtype_needs_native_and_faster_bf16(monkeypatch, native, bf16_rate,
         ),
     )
     assert machine.auto_dtype() == want
+
+
+def test_core_board_counts_the_idle_cores_of_the_others():
+    board = machine.CoreBoard.create(4)
+    try:
+        engine1, engine2 = machine.CoreBoard(board.path, 1), machine.CoreBoard(board.path, 2)
+        assert board.idle_cores() == 0  # nobody has marked: absent slots lend nothing
+        engine1.mark(busy=False, cores=2)
+        engine2.mark(busy=True, cores=1)
+        assert board.idle_cores() == 2
+        engine2.mark(busy=False, cores=1)
+        board.mark(busy=False, cores=5)  # its own slot never counts for itself
+        assert board.idle_cores() == 3 and engine1.idle_cores() == 6
+        engine1.mark(busy=True, cores=2)
+        assert board.idle_cores() == 1
+        engine2.close()  # gone: lends nothing
+        assert board.idle_cores() == 0
+        engine1.close()
+        with pytest.raises(ValueError, match="slot must be in"):
+            machine.CoreBoard(board.path, 4)
+    finally:
+        board.close()
+    assert not os.path.exists(board.path)

@@ -471,3 +471,41 @@ def test_auto_dtype_follows_the_probe_in_backend_and_run(
     cfg = TrainerConfig()  # megatron-core on CPU is fp32 only: auto never picks bf16 for it
     cfg.train.kind = "megatron"
     assert "train.dtype=auto -> fp32" in resolve_dtype(cfg) and cfg.train.dtype == "fp32"
+
+
+def test_the_trainer_computes_with_the_idle_engines_cores(tiny_model_path):
+    """Borrowing: each decoder layer's forward and backward runs with this process's threads
+    plus the idle lenders' cores, re-read from the board at each layer (the engine here turns
+    busy after the first layer's forward, then idle before the last layer's backward); after
+    the step the process has its own threads again."""
+    from gateway import machine
+
+    own = torch.get_num_threads()
+    backend = make(tiny_model_path)
+    board = machine.CoreBoard.create(2)
+    engine = machine.CoreBoard(board.path, 1)
+    seen: list[tuple[str, int]] = []
+    first, last = backend.model.model.layers[0], backend.model.model.layers[-1]
+    try:
+        backend.share_cores(board)
+        first.register_forward_pre_hook(lambda *_: seen.append(("forward", threads())))
+        first.register_full_backward_pre_hook(lambda *_: seen.append(("backward", threads())))
+        threads = torch.get_num_threads
+        engine.mark(busy=False, cores=3)
+        hook = first.register_forward_hook(lambda *_: engine.mark(busy=True, cores=3))
+        m = backend.train_step(BATCH)
+        assert seen == [("forward", own + 3), ("backward", own)]
+        assert own < m["perf/threads"] < own + 3 and torch.get_num_threads() == own
+        hook.remove()
+        seen.clear()
+        last.register_full_backward_pre_hook(lambda *_: engine.mark(busy=False, cores=3))
+        backend.train_step(BATCH)
+        assert seen == [("forward", own), ("backward", own + 3)]
+        assert torch.get_num_threads() == own
+        with pytest.raises(ValueError, match="train.device=cpu"):
+            backend.device = torch.device("cuda")
+            backend.share_cores(board)
+    finally:
+        torch.set_num_threads(own)
+        engine.close()
+        board.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import signal
 import subprocess
@@ -57,9 +58,14 @@ def test_a_stopped_run_does_not_wait_for_a_call_in_flight():
 async def test_two_step_run_writes_a_complete_run_dir(tmp_path, capsys, ray, replicas):
     more = ["ray.num_cpus=4"] if replicas > 1 else []
     cfg = load(["recipe=tiny", f"ray.enabled={ray}", f"engine.replicas={replicas}", *more])
+    boards = set(glob.glob("/dev/shm/loongsage-cores-*"))
     summary = await train(cfg, run_dir=tmp_path)
     assert not ray_lib.is_initialized()  # the Ray a run starts ends with it
     plan = capsys.readouterr().out
+    # CPU lending on a local Ray (both ways with one engine); its board is gone afterwards
+    lending = {(True, 1): "trainer and engine", (True, 2): "the trainer"}.get((ray, replicas))
+    assert (f"cpu lending: {lending} compute" in plan) if lending else "cpu lending" not in plan
+    assert set(glob.glob("/dev/shm/loongsage-cores-*")) == boards
     route = "shm" if ray else "in_process"
     plan = plan[plan.index("TransferMesh: weights from") :]
     assert plan.count(f" {route} ") == replicas
@@ -84,6 +90,7 @@ async def test_two_step_run_writes_a_complete_run_dir(tmp_path, capsys, ray, rep
         assert row[f"weights/{route}/gb_per_s"] > 0 and row["weights/failed"] == 0
         assert all(row[f"weights/version/engine{i}"] == row["step"] for i in range(replicas))
         assert all(f"weights/stall_s/engine{i}" in row for i in range(replicas))
+        assert ("perf/threads" in row) == ray
     assert steps[0]["mismatch/tokens"] == steps[0]["train/tokens"] > 0  # step 1: all fresh
     assert {p.name for p in (tmp_path / "plots").glob("*.png")} >= {"reward.png", "timeline.png"}
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]

@@ -36,6 +36,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from gateway.engines import EngineConfig, make_engine
 from gateway.engines.base import Chunk, EngineError, Generation, PauseMode, SamplingParams
 from gateway.engines.placement import Placement
+from gateway.machine import CoreBoard
 from trainer.transfer.endpoints import ScriptedReads, follow_reads, source_device, weight_source
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,10 @@ class EngineActor:
 
     async def health(self) -> tuple[bool, int]:
         return await self.engine.health(), self._version()
+
+    async def share_cores(self, path: str, slot: int, borrow: bool) -> None:
+        """The local engine shares cores at `slot` of the CoreBoard at `path`."""
+        self.engine.share_cores(CoreBoard(path, slot), borrow)
 
     async def close(self) -> None:
         await self.engine.close()
@@ -310,6 +315,10 @@ class RayEngine:
         self._seen(version)
         return ok
 
+    async def share_cores(self, path: str, slot: int, borrow: bool = False) -> None:
+        """The engine shares cores on a CoreBoard (`LocalEngine.share_cores`)."""
+        await self.handle.share_cores.remote(path, slot, borrow)
+
     async def close(self) -> None:
         """Close the engine and end its actor process."""
         try:
@@ -417,6 +426,10 @@ class BackendActor:
     def save_hf(self, path: Path) -> None:
         self.backend.save_hf(path)
 
+    def share_cores(self, path: str) -> None:
+        """The backend shares cores at slot 0 of the CoreBoard at `path`."""
+        self.backend.share_cores(CoreBoard(path, 0))
+
 
 class RayBackend:
     """The TrainBackend protocol over a `BackendActor` handle. Blocking calls (the controller
@@ -464,6 +477,10 @@ class RayBackend:
 
     def save_hf(self, path: Path) -> None:
         self._get(self.handle.save_hf.remote(Path(path)))
+
+    def share_cores(self, path: str) -> None:
+        """The backend shares cores on a CoreBoard (`TorchBackend.share_cores`)."""
+        self._get(self.handle.share_cores.remote(path))
 
     def close(self) -> None:
         ray.kill(self.handle)

@@ -328,6 +328,10 @@ class RayConfig:
     trainer_resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each train-backend rank needs (pins the ranks to the nodes that
     offer them)."""
+    lend_cpus: bool = True
+    """On a local Ray (one machine) with local CPU engines and one torch-backend rank on CPU,
+    the trainer computes with the engines' cores too while they have nothing to generate
+    (`gateway.machine.CoreBoard`); their own cores stay theirs whenever they have work."""
     trainer_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """Placement of the ranks' bundles: PACK fills a node before the next (tensor-parallel peers
     share a node), STRICT_PACK all on one node, SPREAD across nodes."""

@@ -39,6 +39,7 @@ from transformers import AutoTokenizer
 from gateway.config import ConfigError
 from gateway.engines import ENGINES, make_engines, replica_configs, serve_together
 from gateway.engines.base import Engine
+from gateway.machine import CoreBoard
 from gateway.models import resolve_model
 from gateway.server import Gateway, GatewayConfig
 from trainer.agentflow import AgentFlow, gateway_socket
@@ -82,9 +83,33 @@ async def engines_and_backend(
         if cfg.ray.enabled:
             backend = stack.enter_context(cluster.placed_trainer(cfg))
             print(cluster.describe(engines, backend), flush=True)
+            if lends_cores(cfg, remote):
+                board = CoreBoard.create(1 + len(engines))
+                stack.callback(board.close)
+                for slot, engine in enumerate(engines, 1):  # one engine borrows: no two do
+                    await engine.share_cores(board.path, slot, borrow=len(engines) == 1)
+                backend.share_cores(board.path)
+                who = "trainer and engine" if len(engines) == 1 else "the trainer"
+                print(f"cpu lending: {who} compute with idle processes' cores", flush=True)
         else:
             backend = make_backend(cfg)
         yield engines, backend
+
+
+def lends_cores(cfg: TrainerConfig, remote_engines: bool) -> bool:
+    """`ray.lend_cpus` applies: a local Ray, one CPU torch-backend rank, local CPU engines."""
+    from trainer.backends.torch_backend import train_device
+
+    return (
+        cfg.ray.lend_cpus
+        and cfg.ray.address is None
+        and not remote_engines
+        and cfg.engine.kind == "local"
+        and cfg.ray.engine_gpus == 0
+        and cfg.train.kind == "torch"
+        and cfg.train.world_size == 1
+        and train_device(cfg.train.device).type == "cpu"
+    )
 
 
 def check_ray_cpus(cfg: TrainerConfig, remote_engines: bool) -> None:

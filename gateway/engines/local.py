@@ -86,6 +86,7 @@ from gateway.engines.base import (
     SamplingParams,
     collect,
 )
+from gateway.machine import CoreBoard
 from gateway.models import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,6 +182,8 @@ class LocalEngine:
         self._stop = False
         self._score_jobs: list[tuple[list[list[int]], list[int], Callable]] = []
         self._num_threads = torch.get_num_threads()
+        self._cores: CoreBoard | None = None
+        self._borrow = False
         # The engine's thread loads the model too, and is the only thread of the engine that
         # runs torch: a second thread's OpenMP team in the process (this one's, had it loaded
         # the weights) makes every parallel region of the engine's thread wait on a sleeping
@@ -335,6 +338,17 @@ class LocalEngine:
                 )
         await self._ask(self._swap_weights, dict(state), version)
 
+    def share_cores(self, board: CoreBoard, borrow: bool = False) -> None:
+        """Mark this engine busy or idle on `board` from now on, so that another process of the
+        run computes with its cores while it has nothing to do (`gateway.machine.CoreBoard`);
+        with `borrow`, each forward also runs with the cores of the others that are idle."""
+        with self._lock:
+            self._check_open()
+            self._inbox.put((self._share_cores, (board, borrow), None))
+
+    def _share_cores(self, board: CoreBoard, borrow: bool) -> None:
+        self._cores, self._borrow = board, borrow
+
     async def health(self) -> bool:
         return not self._closed and self._thread.is_alive()
 
@@ -427,8 +441,8 @@ class LocalEngine:
         # is an inference tensor: everything on this thread runs in inference mode.
         with torch.inference_mode():
             while not self._stop:
-                busy = not self._paused and bool(self._waiting or self._rows)
-                self._run_commands(block=not busy)
+                self._run_commands(block=not self._mark_busy())
+                self._mark_busy()
                 if self._score_jobs:
                     self._run_scores()
                 if self._stop or self._paused:
@@ -441,6 +455,19 @@ class LocalEngine:
                     self._fail(self._rows, exc)
                     self._reset_batch()
         self._fail(self._rows + list(self._waiting), EngineError("the local engine was closed"))
+        if self._cores is not None:
+            self._cores.close()
+
+    def _mark_busy(self) -> bool:
+        """Whether there is work for the loop (on the CoreBoard too, if lending)."""
+        busy = bool(self._score_jobs) or (not self._paused and bool(self._waiting or self._rows))
+        if self._cores is not None:
+            self._cores.mark(busy, self._num_threads)
+            if busy and self._borrow:
+                threads = self._num_threads + self._cores.idle_cores()
+                if threads != torch.get_num_threads():
+                    torch.set_num_threads(threads)  # the engine thread's team, from its next op
+        return busy
 
     def _run_commands(self, block: bool) -> None:
         """Run everything in the inbox (waiting for the first command if `block`)."""

@@ -24,16 +24,19 @@ matmul rate of the model's gate/up projection: `base.step_metrics`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from gateway import machine
 from trainer.algorithms import policy_loss, reduce_metrics
@@ -314,6 +317,56 @@ class TorchBackend(BackendBase):
             lambda s: lr_factor(s, train.warmup_steps, total_steps, train.lr_schedule),
         )
         self._step = 0
+        self._cores: machine.CoreBoard | None = None
+        self._own_threads = self._threads = torch.get_num_threads()
+        self._thread_checks: list[int] = []
+
+    def share_cores(self, board: machine.CoreBoard) -> None:
+        """Compute with the cores of the idle processes on `board` too (CPU lending: a CPU
+        run's engines lend theirs while they have nothing to generate). The thread count is
+        re-read from the board before each decoder layer's forward and backward, and goes back
+        to this process's own after each step; the backend is marked busy on the board while
+        it computes (so an engine may borrow its cores while it waits)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"borrowing CPU cores needs train.device=cpu, not {self.device}")
+        self._cores = board
+        board.mark(busy=False, cores=self._own_threads)
+        layers = [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer in layers or [self.model]:
+            layer.register_forward_pre_hook(lambda *_: self._borrow())
+            layer.register_forward_hook(self._borrow_in_backward)
+
+    def _borrow(self, *_: Any) -> None:
+        assert self._cores is not None
+        threads = self._own_threads + self._cores.idle_cores()
+        if threads != self._threads:
+            torch.set_num_threads(threads)  # this thread's; backward on CPU runs on it too
+            self._threads = threads
+        self._thread_checks.append(threads)
+
+    def _borrow_in_backward(self, module: Any, args: Any, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._borrow)  # runs just before this layer's backward
+
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Busy on the board while computing; this process's own threads again afterwards."""
+        if self._cores is None:
+            yield
+            return
+        self._cores.mark(busy=True, cores=self._own_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self._own_threads)
+            self._threads = self._own_threads
+            self._cores.mark(busy=False, cores=self._own_threads)
+
+    def _thread_metrics(self) -> dict[str, float]:
+        """The step's mean thread count over its layers, when borrowing."""
+        checks, self._thread_checks = self._thread_checks, []
+        return {"perf/threads": sum(checks) / len(checks)} if checks else {}
 
     # -- forward helpers ------------------------------------------------------------------------
 
@@ -373,11 +426,18 @@ class TorchBackend(BackendBase):
         return out
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
-        return [t.tolist() for t in self._score(self.model, samples, only_loss=False)]
+        with self._computing():
+            out = [t.tolist() for t in self._score(self.model, samples, only_loss=False)]
+        self._thread_checks.clear()
+        return out
 
     # -- the train step -------------------------------------------------------------------------
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        with self._computing():
+            return self._train_step(samples)
+
+    def _train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         check_samples(samples)
         start, self._flops = time.perf_counter(), 0
         separate_proximal = self.algorithm.num_minibatches > 1 and len(samples) > 1
@@ -439,8 +499,10 @@ class TorchBackend(BackendBase):
         self.scheduler.step()
         self._step += 1
         seconds = time.perf_counter() - start
-        return reduce_metrics(outputs) | step_metrics(
-            samples, losses, grad_norms, lr, self._flops, seconds, self.peak_gflops
+        return (
+            reduce_metrics(outputs)
+            | step_metrics(samples, losses, grad_norms, lr, self._flops, seconds, self.peak_gflops)
+            | self._thread_metrics()
         )
 
     # -- weights and checkpoints ----------------------------------------------------------------
