@@ -496,6 +496,8 @@ def test_the_trainer_computes_with_the_idle_engines_cores(tiny_model_path):
         m = backend.train_step(BATCH)
         assert seen == [("forward", own + 3), ("backward", own)]
         assert own < m["perf/threads"] < own + 3 and torch.get_num_threads() == own
+        peak = backend.peak_gflops * 1e9 * m["perf/threads"] / own  # the cores it had
+        assert m["perf/mfu"] == pytest.approx(m["perf/train_tflops"] * 1e12 / peak)
         hook.remove()
         seen.clear()
         last.register_full_backward_pre_hook(lambda *_: engine.mark(busy=False, cores=3))

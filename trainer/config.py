@@ -330,8 +330,9 @@ class RayConfig:
     offer them)."""
     lend_cpus: bool = True
     """On a local Ray (one machine) with local CPU engines and one torch-backend rank on CPU,
-    the trainer computes with the engines' cores too while they have nothing to generate
-    (`gateway.machine.CoreBoard`); their own cores stay theirs whenever they have work."""
+    the trainer computes with the engines' cores too while they have nothing to generate, and
+    a single engine with the trainer's while it waits (`gateway.machine.CoreBoard`); a core
+    goes back within a layer or a decode step of its owner having work."""
     trainer_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """Placement of the ranks' bundles: PACK fills a node before the next (tensor-parallel peers
     share a node), STRICT_PACK all on one node, SPREAD across nodes."""

@@ -326,7 +326,8 @@ class TorchBackend(BackendBase):
         run's engines lend theirs while they have nothing to generate). The thread count is
         re-read from the board before each decoder layer's forward and backward, and goes back
         to this process's own after each step; the backend is marked busy on the board while
-        it computes (so an engine may borrow its cores while it waits)."""
+        it computes (so an engine may borrow its cores while it waits). `perf/mfu` is then over
+        the peak of its own threads times the step's mean threads over them (`perf/threads`)."""
         if self.device.type != "cpu":
             raise ValueError(f"borrowing CPU cores needs train.device=cpu, not {self.device}")
         self._cores = board
@@ -499,11 +500,12 @@ class TorchBackend(BackendBase):
         self.scheduler.step()
         self._step += 1
         seconds = time.perf_counter() - start
-        return (
-            reduce_metrics(outputs)
-            | step_metrics(samples, losses, grad_norms, lr, self._flops, seconds, self.peak_gflops)
-            | self._thread_metrics()
+        threads = self._thread_metrics()
+        cores = threads.get("perf/threads", self._own_threads) / self._own_threads
+        metrics = step_metrics(
+            samples, losses, grad_norms, lr, self._flops, seconds, self.peak_gflops, cores
         )
+        return reduce_metrics(outputs) | metrics | threads
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
