@@ -19,8 +19,8 @@ the trainer's `dtype: auto` asks `auto_dtype`, and MFU divides counted FLOPs by 
 
 `CoreBoard`: CPU lending between the processes of one run on one machine. Each process holds
 its own cores (a Ray actor's CPUs, as many torch threads); each marks itself busy or idle in a
-few shared bytes, and a process that can use more cores (the trainer) computes with those of
-the idle ones too, re-reading the board between layers.
+few shared bytes, and computes with the cores of the idle others too, re-reading the board
+between layers (the trainer) or decode steps (the engine).
 
 FLOPs (`ModelShape`) count 2 per multiply-add of the matmuls: the linear layers (with q/k/v and
 gate/up fused, as a fast implementation runs them), the LM head on the positions whose logits
@@ -260,8 +260,8 @@ def describe(device: str = "cpu") -> str:
 class CoreBoard:
     """Which processes of a run on one machine are computing, in two shared bytes per slot
     (state, cores held), so that one can borrow the cores the idle others hold. `create` makes
-    the board (slot 0, the borrower); each other process opens it by path with a slot of its
-    own. A slot never marked is absent and lends nothing."""
+    the board (its creator removes it at `close`); each process opens it by path with a slot of
+    its own (0: the trainer). A slot never marked is absent and lends nothing."""
 
     ABSENT, IDLE, BUSY = 0, 1, 2
 
@@ -275,7 +275,7 @@ class CoreBoard:
 
     @classmethod
     def create(cls, slots: int) -> CoreBoard:
-        """A new board of `slots` slots in shared memory (removed by `close`); this is slot 0."""
+        """A new board of `slots` slots in shared memory (removed by `close`), opened at 0."""
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="loongsage-cores-", dir=shm)
         with os.fdopen(fd, "wb") as f:
