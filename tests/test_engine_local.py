@@ -286,6 +286,24 @@ async def test_the_engine_shares_its_cores(engine, monkeypatch):
         board.close()
 
 
+async def test_generate_delivers_once_and_stream_every_token(engine, monkeypatch):
+    """A whole generation reaches `generate`'s caller in one chunk at its end (no wake-up of
+    its event loop per token), with every token, logprob and version; `stream` gets each."""
+    sent: list[int] = []
+    send = engine._send
+    monkeypatch.setattr(
+        engine, "_send", lambda req, *a: (sent.append(len(req.output)), send(req, *a))
+    )
+    whole = await engine.generate(PROMPTS[0], GREEDY)
+    assert sent == [12] and len(whole.output_ids) == len(whole.output_logprobs) == 12
+    assert whole.output_versions == [0] * 12 and whole.finish_reason == "length"
+    sent.clear()
+    chunks = [c async for c in engine.stream(PROMPTS[0], GREEDY)]
+    assert (
+        sent == list(range(1, 13)) and [t for c in chunks for t in c.token_ids] == whole.output_ids
+    )
+
+
 async def test_closing_a_stream_aborts_it(engine):
     stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=4000, ignore_eos=True))
     await anext(stream)

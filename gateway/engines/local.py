@@ -138,6 +138,8 @@ class _Request:
     rng: random.Random
     """One uniform draw per sampled token, from this request's own stream."""
     emit: Callable[[Chunk | BaseException], bool]
+    stream: bool
+    """Deliver every token as it comes (else everything at the end)."""
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -254,6 +256,22 @@ class LocalEngine:
         session_id: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Validates now (ValueError naming the field); the request is queued on first iteration."""
+        return self._request(input_ids, params, request_id, stream=True)
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> Generation:
+        """The whole generation, delivered once at its end: no wake-up of the caller's event
+        loop per token, which on 2 cores took ~15% of a batch-1 decode step from the engine."""
+        return await collect(self._request(input_ids, params, request_id, stream=False))
+
+    def _request(
+        self, input_ids: list[int], params: SamplingParams, request_id: str | None, stream: bool
+    ) -> AsyncIterator[Chunk]:
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 "params must be a SamplingParams (use SamplingParams.from_dict for a dict)"
@@ -275,16 +293,7 @@ class LocalEngine:
         with self._lock:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        return self._run(prompt, params, request_id)
-
-    async def generate(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        session_id: str | None = None,
-    ) -> Generation:
-        return await collect(self.stream(input_ids, params, request_id, session_id))
+        return self._run(prompt, params, request_id, stream)
 
     async def abort(self, request_id: str) -> None:
         await self._ask(self._abort, request_id)
@@ -398,14 +407,14 @@ class LocalEngine:
         return await fut
 
     async def _run(
-        self, prompt: list[int], params: SamplingParams, request_id: str
+        self, prompt: list[int], params: SamplingParams, request_id: str, stream: bool
     ) -> AsyncIterator[Chunk]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
         rng = random.Random(params.seed)  # seed None: from os.urandom
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         emit = lambda item: _deliver(loop, chunks.put_nowait, item)  # noqa: E731
-        req = _Request(request_id, prompt, params, frozenset(stop_ids), rng, emit)
+        req = _Request(request_id, prompt, params, frozenset(stop_ids), rng, emit, stream)
         with self._lock:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -564,7 +573,8 @@ class LocalEngine:
                 req.finish = "stop"
             elif len(req.output) >= p.max_tokens:
                 req.finish = "length"
-            self._send(req)
+            if req.stream or req.finish is not None:
+                self._send(req)
         return failed
 
     def _non_finite(self, req: _Request, logits: torch.Tensor) -> Exception:
