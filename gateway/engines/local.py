@@ -6,7 +6,8 @@ process has one OpenMP team where nothing else in it computes, which on 2 cores 
 at batch 1 than beside a second live team). Callers (any asyncio
 loop, any thread) talk to it through a thread-safe inbox of commands; each generation
 request gets its own `asyncio.Queue`, filled by the engine thread with
-`loop.call_soon_threadsafe`. torch releases the GIL inside its kernels, so the caller's event
+`loop.call_soon_threadsafe`: a chunk per token for `stream`, one at the end for `generate`
+(every wake-up of the caller's loop takes a core from the engine's on a small machine). torch releases the GIL inside its kernels, so the caller's event
 loop (the gateway) stays responsive while the engine computes.
 
 Each loop iteration: run pending commands (submit, abort, score, pause/resume, weight swap),
