@@ -7,8 +7,9 @@ at batch 1 than beside a second live team). Callers (any asyncio
 loop, any thread) talk to it through a thread-safe inbox of commands; each generation
 request gets its own `asyncio.Queue`, filled by the engine thread with
 `loop.call_soon_threadsafe`: a chunk per token for `stream`, one at the end for `generate`
-(every wake-up of the caller's loop takes a core from the engine's on a small machine). torch releases the GIL inside its kernels, so the caller's event
-loop (the gateway) stays responsive while the engine computes.
+(every wake-up of the caller's loop takes a core from the engine's on a small machine). torch
+releases the GIL inside its kernels, so the caller's event loop (the gateway) stays responsive
+while the engine computes.
 
 Each loop iteration: run pending commands (submit, abort, score, pause/resume, weight swap),
 prefill newcomers (prompt + output so far) as new batch rows and sample their first token,
@@ -267,7 +268,7 @@ class LocalEngine:
         session_id: str | None = None,
     ) -> Generation:
         """The whole generation, delivered once at its end: no wake-up of the caller's event
-        loop per token, which on 2 cores took ~15% of a batch-1 decode step from the engine."""
+        loop per token, which on 2 cores took ~9% of a batch-1 decode step from the engine."""
         return await collect(self._request(input_ids, params, request_id, stream=False))
 
     def _request(
