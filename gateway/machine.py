@@ -181,9 +181,10 @@ def measure_matmul(
     w = torch.randn(n, k, generator=gen).to(device, dtype)
     best = 0.0
     with torch.inference_mode():
-        for kernel in _linear_kernels(device):
+        for prepare, kernel in _linear_kernels(device, m):
             try:
-                seconds = _best_seconds(lambda f=kernel: f(x, w), device)
+                weight = prepare(w)
+                seconds = _best_seconds(lambda f=kernel, w=weight: f(x, w), device)
             except RuntimeError:  # a kernel without this dtype here
                 continue
             best = max(best, 2 * m * k * n / seconds / 1e9)
@@ -305,11 +306,18 @@ class CoreBoard:
             os.unlink(self.path)
 
 
-def _linear_kernels(device: str) -> list[Callable]:
-    kernels: list[Callable] = [F.linear]
+def _linear_kernels(device: str, rows: int) -> list[tuple[Callable, Callable]]:
+    """(prepare the weight, multiply) pairs: torch's linear, and on CPU oneDNN's on the plain
+    weight and on one prepacked for `rows` rows (the local engine's)."""
+    kernels: list[tuple[Callable, Callable]] = [(_same, F.linear)]
     if device == "cpu" and torch.backends.mkldnn.is_available():
-        kernels.append(_onednn_linear)
+        prepack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
+        kernels += [(_same, _onednn_linear), (prepack, _onednn_linear)]
     return kernels
+
+
+def _same(w: torch.Tensor) -> torch.Tensor:
+    return w
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -374,8 +374,13 @@ async def test_weight_swap_mid_generation(engine, hf_tiny, tiny_model_path):
         await fresh.close()
     assert got.token_ids[k : k + 10] == ref.output_ids
     torch.testing.assert_close(got.logprobs[k : k + 10], ref.output_logprobs, atol=1e-4, rtol=0)
-    # The old weights' logprobs would differ: the swap really changed the model.
-    old = forward_logprobs(hf_tiny, prompt + got.token_ids[: k + 10], len(prompt) + k)
+    # Both are the new weights' teacher-forced logprobs; the old weights' would differ.
+    seq, start = prompt + got.token_ids[: k + 10], len(prompt) + k
+    swapped = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    swapped.load_state_dict(new, strict=False)
+    expected = forward_logprobs(swapped, seq, start)
+    torch.testing.assert_close(torch.tensor(ref.output_logprobs), expected, atol=1e-4, rtol=0)
+    old = forward_logprobs(hf_tiny, seq, start)
     assert (old - torch.tensor(ref.output_logprobs)).abs().max() > 1e-2
 
 

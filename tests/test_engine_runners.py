@@ -88,6 +88,22 @@ def test_lean_forward_covers_llama_only(tiny_model_path, qwen2_path):
     assert "model_type" in _llama.unsupported(AutoConfig.from_pretrained(qwen2_path))
 
 
+def test_prepacked_and_plain_matmuls_give_hfs_logits(tiny_model_path):
+    """The lean forward's two ways to multiply (oneDNN's prepacked weights; the plain buffers,
+    which steps of one row use) give transformers' logits."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    runner = _llama.LeanRunner(hf, 2)
+    assert runner.model.packed is not None and runner.model.packed_head is not None
+    with torch.inference_mode():
+        expected = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS[:2]])
+        prepacked = runner.prefill(PROMPTS[:2])
+        runner.reset()
+        runner.model.packed = runner.model.packed_head = None
+        plain = runner.prefill(PROMPTS[:2])
+    torch.testing.assert_close(prepacked, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(plain, expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("model", "forward", "expect"),
     [

@@ -29,6 +29,9 @@ class HFRunner:
         # keep_vars: the live Parameters, tied aliases (lm_head/embeddings) included.
         return dict(self.model.state_dict(keep_vars=True))
 
+    def weights_written(self) -> None:
+        pass  # the model reads its Parameters directly
+
     def prefill(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         ids, mask = _left_pad(seqs)
         cache = DynamicCache()

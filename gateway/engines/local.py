@@ -18,7 +18,8 @@ sampled-but-not-yet-fed token, so newcomers and old rows share the same decode s
 
 The model runs behind a small `Runner` interface, two implementations:
 - `_llama.LeanRunner` for Llama-family configs (the embedded SmolLM2): a lean forward with
-  fused q/k/v and gate/up weights over a preallocated slot KV cache (no per-step padding,
+  fused q/k/v and gate/up weights (on CPU in fp32 also prepacked for oneDNN's GEMM, repacked
+  after each swap) over a preallocated slot KV cache (no per-step padding,
   concatenation or `index_select`; a leaving row's place is taken by the last row, one copy);
   identical sequences in one prefill (n samples of a prompt) are computed once.
 - `_hf.HFRunner` for any other causal LM (or `forward="transformers"`): transformers' own
@@ -109,6 +110,10 @@ class Runner(Protocol):
 
     def weights(self) -> dict[str, torch.Tensor]:
         """HF state-dict name -> the live tensor that name is copied into on a weight swap."""
+        ...
+
+    def weights_written(self) -> None:
+        """A swap wrote into `weights()`: rebuild whatever is derived from them."""
         ...
 
     def prefill(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -677,6 +682,7 @@ class LocalEngine:
             if live.dim() == 2 and live.stride(0) < live.stride(1):  # a transposed buffer
                 live, tensor = live.t(), tensor.t()  # write in the buffer's order: ~3x faster
             live.copy_(tensor)
+        self._runner.weights_written()
         self._version = version
         self._retract_all()  # recompute running requests' cache with the new weights
 
