@@ -311,8 +311,8 @@ def _linear_kernels(device: str, rows: int) -> list[tuple[Callable, Callable]]:
     weight and on one prepacked for `rows` rows (the local engine's)."""
     kernels: list[tuple[Callable, Callable]] = [(_same, F.linear)]
     if device == "cpu" and torch.backends.mkldnn.is_available():
-        prepack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
-        kernels += [(_same, _onednn_linear), (prepack, _onednn_linear)]
+        prepack = functools.partial(onednn_prepack, rows=rows)
+        kernels += [(_same, onednn_linear), (prepack, onednn_linear)]
     return kernels
 
 
@@ -320,8 +320,20 @@ def _same(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+def onednn_prepack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """An [out, in] weight copied into oneDNN's blocked layout for inputs of about `rows` rows
+    (an opaque tensor for `onednn_linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ residual) by oneDNN, for a plain or `onednn_prepack`ed [out, in] weight."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    if residual is None:
+        return linear(x, weight, None, "none", [], "")
+    return linear.binary(x, residual, weight, None, "add")
 
 
 def _best_seconds(fn: Callable[[], object], device: str, repeats: int = 3) -> float:

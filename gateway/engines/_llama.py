@@ -10,13 +10,13 @@ per step, three projections where one would do). This module runs the same maths
   `qkv`, `o_proj` and `gate_up` are stored input-major (see `_input_major`; a swap copies into
   them transposing, ~2 GB/s); the rest (embeddings, tied LM head, `down_proj`, norms) are HF's
   own tensors;
-- on CPU in fp32, every matmul weight also has a copy prepacked by oneDNN (`_prepack`: the
-  blocked layout its GEMM would otherwise pack the weight into on every call), rebuilt after
-  each weight swap (`repack`, ~0.3 s for 135M parameters). On a 2-core AVX2 EPYC a decode step
-  of 32 rows takes 0.67x the time at 2 threads and 0.82x at one (64 rows: 0.81x, 0.92x). Steps
-  of one row keep MKL's GEMV over the plain `[in, out]` buffers for the layers (5% faster
-  there) and use the prepacked LM head. The price: a second copy of the weights (the plain
-  buffers stay, for one-row steps, swaps and `weights()`);
+- on CPU in fp32, every matmul weight also has a copy prepacked by oneDNN
+  (`machine.onednn_prepack`: the blocked layout its GEMM would otherwise pack the weight into on
+  every call), rebuilt after each weight swap (`repack`, ~0.3 s for 135M parameters). On a
+  2-core AVX2 EPYC a decode step of 32 rows takes 0.67x the time at 2 threads and 0.82x at one
+  (64 rows: 0.81x, 0.92x). Steps of one row keep MKL's GEMV over the plain `[in, out]` buffers
+  for the layers (5% faster there) and use the prepacked LM head. The price: a second copy of
+  the weights (the plain buffers stay, for one-row steps, swaps and `weights()`);
 - RoPE tables precomputed once for every position;
 - a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
   holds one sequence from position 0, never padded on the left: a decode step writes one
@@ -40,6 +40,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gateway.machine import onednn_linear, onednn_prepack
 
 
 def unsupported(config) -> str | None:
@@ -121,7 +123,7 @@ class LeanLlama(nn.Module):
         sin[:, : self.head_dim // 2] *= -1  # see _rope
         self.cos, self.sin = emb.cos().to(dtype), sin.to(dtype)
         self.packed: list[dict[str, torch.Tensor]] | None = None
-        """Per layer, `_prepack`ed copies of the matmul weights (None: no oneDNN fp32 here)."""
+        """Per layer, prepacked copies of the matmul weights (None: no oneDNN fp32 here)."""
         self.packed_head: torch.Tensor | None = None
         self.repack()
         self.cache = SlotCache(
@@ -137,10 +139,13 @@ class LeanLlama(nn.Module):
         if self.packed is None and not _prepacks(self.lm_head.dtype):
             return
         self.packed = [
-            {name: _prepack(layer[name].t()) for name in ("qkv", "o", "gate_up", "down")}
+            {
+                name: onednn_prepack(layer[name].t(), PACK_ROWS)
+                for name in ("qkv", "o", "gate_up", "down")
+            }
             for layer in self.layers
         ]
-        self.packed_head = _prepack(self.lm_head)
+        self.packed_head = onednn_prepack(self.lm_head, PACK_ROWS)
 
     # --------------------------------------------------------------------------- forward
 
@@ -442,24 +447,18 @@ def _prepacks(dtype: torch.dtype) -> bool:
         return False
     try:
         x, w = torch.randn(3, 8), torch.randn(4, 8)
-        return torch.allclose(_matmul(x, _prepack(w)), F.linear(x, w), atol=1e-5)
+        return torch.allclose(
+            onednn_linear(x, onednn_prepack(w, PACK_ROWS)), F.linear(x, w), atol=1e-5
+        )
     except (RuntimeError, AttributeError):
         return False
-
-
-def _prepack(weight: torch.Tensor) -> torch.Tensor:
-    """An [out, in] weight in oneDNN's blocked layout for `_matmul` (an opaque copy)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
 def _matmul(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ W (+ residual) for a plain [in, out] `weight` (the residual updated in place) or a
-    `_prepack`ed one."""
+    prepacked [out, in] one."""
     if weight.is_mkldnn:
-        linear = torch.ops.mkldnn._linear_pointwise
-        if residual is None:
-            return linear(x, weight, None, "none", [], "")
-        return linear.binary(x, residual, weight, None, "add")
+        return onednn_linear(x, weight, residual)
     return torch.mm(x, weight) if residual is None else residual.addmm_(x, weight)
