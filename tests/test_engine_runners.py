@@ -254,9 +254,9 @@ async def test_identical_prompts_are_prefilled_once(tiny_model_path, monkeypatch
     packed = []
     real = _llama.Step.packed.__func__
 
-    def spy(cls, seqs, rows, logits_at):
+    def spy(cls, seqs, rows, logits_at, cached=None):
         packed.append(len(seqs))
-        return real(cls, seqs, rows, logits_at)
+        return real(cls, seqs, rows, logits_at, cached)
 
     monkeypatch.setattr(_llama.Step, "packed", classmethod(spy))
     group = [(PROMPTS[0], sampled(s, temperature=0.9)) for s in range(4)]
@@ -289,3 +289,60 @@ async def test_lean_forward_in_half_precision(tiny_model_path, dtype):
     ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
     ref = ref.gather(-1, torch.tensor(out.output_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=2e-2, rtol=0)
+
+
+async def test_cached_prefixes_give_hfs_tokens_and_logprobs(tiny_model_path, tmp_path, monkeypatch):
+    """A newcomer that starts with tokens prefilled before (a system prompt every request
+    shares, an agent's earlier turn) computes only the rest, with transformers' tokens and
+    logprobs; a weight swap forgets every cached prefix."""
+    computed = []
+    real = _llama.Step.packed.__func__
+
+    def spy(cls, seqs, rows, logits_at, cached=None):
+        if rows is not None:  # prefill, not scoring
+            computed.append(sum(len(s) for s in seqs) - sum(cached or []))
+        return real(cls, seqs, rows, logits_at, cached)
+
+    monkeypatch.setattr(_llama.Step, "packed", classmethod(spy))
+    system = PROMPTS[2] * 3  # 21 tokens every prompt starts with
+    prompts = [system + p for p in PROMPTS]
+    async with LocalEngine(tiny_model_path) as eng:
+        outs = await run_together(eng, [(p, GREEDY) for p in prompts])
+        # The first prompt in full, then the others after the 22 tokens they share with it
+        # (the system's 21 and the 1 every one of PROMPTS starts with).
+        assert computed == [len(prompts[0]), sum(len(p) - 22 for p in prompts[1:])]
+        computed.clear()
+        turn = prompts[0] + outs[0].output_ids + [9, 10, 11]  # an agent's next turn
+        outs.append(await eng.generate(turn, GREEDY))
+        assert computed == [len(outs[0].output_ids) + 3]  # its last prompt was cached
+        for prompt, out in zip([*prompts, turn], outs, strict=True):
+            tokens, logp = hf_reference(tiny_model_path, prompt, 12)
+            assert out.output_ids == tokens
+            torch.testing.assert_close(torch.tensor(out.output_logprobs), logp, atol=1e-4, rtol=0)
+        other = tiny_variant(tiny_model_path, tmp_path / "other")  # other weights, same shapes
+        state = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).state_dict()
+        await eng.update_weights(state, version=1)
+        computed.clear()
+        out = await eng.generate(prompts[1], GREEDY)
+        assert computed == [len(prompts[1])]
+        tokens, logp = hf_reference(other, prompts[1], 12)
+        assert out.output_ids == tokens
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), logp, atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_finds_the_longest_prefix_within_its_budget():
+    def kv(n):  # 32 bytes a token
+        return torch.zeros(1, 2, 1, n, 4)
+
+    cache = _llama.PrefixCache(max_bytes=32 * 50)
+    a, b = list(range(20)), list(range(18)) + [0, 0]
+    cache.add(a, kv(20))
+    cache.add(b, kv(20))
+    cache.add(list(range(100, 110)), kv(10))  # under MIN_TOKENS: not kept
+    assert cache.longest(list(range(19)) + [7])[0] == 19  # a's
+    assert cache.longest(b + [5])[0] == 20  # all of b
+    assert cache.longest(list(range(15)) + [0] * 9) == (0, None)  # 15 shared: too few
+    cache.add(list(range(50, 70)), kv(20))  # 60 tokens > 50: the least recently used goes
+    assert cache.longest(a)[0] == 18  # a went (b was used last); b's 18 remain
+    cache.clear()
+    assert cache.longest(b) == (0, None)

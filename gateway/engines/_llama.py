@@ -35,6 +35,7 @@ covers; the engine falls back to the HF forward for everything else.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -195,10 +196,16 @@ class LeanLlama(nn.Module):
             q = q.reshape(n * kv_heads, heads // kv_heads, dim)
             scores = torch.baddbmm(step.bias, q, keys.transpose(1, 2), alpha=self.scale)
             return torch.bmm(scores.softmax(-1), values).view(n, heads * dim)
-        # Packed prefill: pad into [rows, width] only for causal attention.
-        q, k, v = (t[step.pad_index].transpose(1, 2) for t in (q, k, v))
+        # Packed prefill: pad into [rows, width] only for attention.
+        q = q[step.pad_index].transpose(1, 2)
+        if step.extends is None:  # from position 0: causal over the step's own tokens
+            k, v = (t[step.pad_index].transpose(1, 2) for t in (k, v))
+            mask, causal = None, True
+        else:  # after cached prefixes: over each row's cache, its new tokens written above
+            k, v = self.cache.rows(layer, step.extends, step.width)
+            mask, causal = step.mask, False
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale, enable_gqa=kv_heads != heads
+            q, k, v, mask, is_causal=causal, scale=self.scale, enable_gqa=kv_heads != heads
         )
         return out.transpose(1, 2).reshape(-1, heads * dim)[step.unpad_index]
 
@@ -215,6 +222,7 @@ class LeanRunner:
 
     def __init__(self, hf_model: nn.Module, max_rows: int) -> None:
         self.model = LeanLlama(hf_model, max_rows)
+        self.prefixes = PrefixCache(PREFIX_CACHE_BYTES)
         self._lengths: list[int] = []
         """Tokens in the cache, per row."""
 
@@ -223,26 +231,58 @@ class LeanRunner:
 
     def weights_written(self) -> None:
         self.model.repack()
+        self.prefixes.clear()  # keys and values of the old weights
 
     def prefill(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append rows for `seqs`; fp32 logits after each sequence's last token. Identical
-        sequences (n samples of one prompt) are computed once and the cache row copied."""
+        """Append rows for `seqs`; fp32 logits after each sequence's last token.
+
+        Identical sequences (n samples of one prompt) are computed once and the cache row
+        copied. A sequence whose first tokens were prefilled before since the last weight swap
+        (`prefixes`) starts from their cached keys and values; sequences that share a prefix
+        with each other but with nothing cached go in two forwards: the first of them, then
+        the rest from its prefix."""
         first, lengths = len(self._lengths), [len(s) for s in seqs]
-        self.model.cache.reserve(first + len(seqs), max(lengths))
+        cache = self.model.cache
+        cache.reserve(first + len(seqs), max(lengths))
         firsts: dict[tuple[int, ...], int] = {}
         source = [firsts.setdefault(tuple(s), i) for i, s in enumerate(seqs)]
-        unique = list(firsts.values())
-        ends = torch.tensor([lengths[i] for i in unique]).cumsum(0) - 1
-        step = Step.packed([seqs[i] for i in unique], [first + i for i in unique], ends.tolist())
-        logits = self.model(step)
+        rounds: tuple[list[int], list[int]] = ([], [])
+        for key, i in firsts.items():
+            later = self.prefixes.longest(key)[0] > 0 or any(
+                _common(key, seqs[j]) >= PrefixCache.MIN_TOKENS for j in rounds[0]
+            )
+            rounds[later].append(i)
+        rows: dict[int, torch.Tensor] = {}  # unique sequence -> its logits
+        for unique in rounds:
+            if not unique:
+                continue
+            cached = []
+            for i in unique:
+                n, kv = self.prefixes.longest(seqs[i])
+                n = min(n, lengths[i] - 1)  # the last token is computed: its logits are needed
+                if n:
+                    cache.kv[:, :, first + i, :, :n] = kv[:, :, :, :n]
+                cached.append(n)
+            ends = (
+                torch.tensor([lengths[i] - n for i, n in zip(unique, cached, strict=True)]).cumsum(
+                    0
+                )
+                - 1
+            )
+            step = Step.packed(
+                [seqs[i] for i in unique], [first + i for i in unique], ends.tolist(), cached
+            )
+            logits = self.model(step)
+            finite = torch.isfinite(logits).all(-1).tolist()
+            for j, i in enumerate(unique):
+                rows[i] = logits[j]
+                if finite[j]:
+                    self.prefixes.add(seqs[i], cache.kv[:, :, first + i, :, : lengths[i]])
         for i, src in enumerate(source):
             if src != i:
-                self.model.cache.copy(first + src, first + i, lengths[i])
+                cache.copy(first + src, first + i, lengths[i])
         self._lengths += lengths
-        if len(unique) == len(seqs):
-            return logits
-        position = {src: j for j, src in enumerate(unique)}
-        return logits[[position[src] for src in source]]
+        return torch.stack([rows[src] for src in source])
 
     def decode(self, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per row; fp32 logits after it."""
@@ -291,21 +331,34 @@ class Step:
     write_rows: torch.Tensor | None = None
     logits_at: torch.Tensor | None = None
     decode: bool = False
+    extends: torch.Tensor | None = None
+    """Prefill after cached prefixes: the cache row of each packed sequence."""
     width: int = 0
+    """Keys attended to (decode, and prefill after cached prefixes): the longest row."""
+    mask: torch.Tensor
     bias: torch.Tensor
     pad_index: torch.Tensor
     unpad_index: torch.Tensor
 
     @classmethod
     def packed(
-        cls, seqs: Sequence[Sequence[int]], rows: list[int] | None, logits_at: list[int]
+        cls,
+        seqs: Sequence[Sequence[int]],
+        rows: list[int] | None,
+        logits_at: list[int],
+        cached: Sequence[int] | None = None,
     ) -> Step:
-        """Sequences packed end to end, written to these cache rows (None: not written)."""
+        """Sequences packed end to end, written to these cache rows (None: not written).
+        With `cached`, each row's cache already holds the first `cached[i]` tokens of
+        sequence i: only the rest are packed, and they attend over the row's cache."""
         step = cls()
-        lengths = [len(s) for s in seqs]
+        cached = cached or [0] * len(seqs)
+        lengths = [len(s) - c for s, c in zip(seqs, cached, strict=True)]
         width = max(lengths)
-        step.ids = torch.tensor([t for s in seqs for t in s])
-        step.positions = torch.cat([torch.arange(n) for n in lengths])
+        step.ids = torch.tensor([t for s, c in zip(seqs, cached, strict=True) for t in s[c:]])
+        step.positions = torch.cat(
+            [torch.arange(c, len(s)) for s, c in zip(seqs, cached, strict=True)]
+        )
         starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
         if rows is not None:
             step.write_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lengths))
@@ -317,6 +370,12 @@ class Step:
         step.pad_index = torch.where(valid, starts[:, None] + grid, last[:, None])
         step.unpad_index = (torch.arange(len(seqs))[:, None] * width + grid)[valid]
         step.logits_at = torch.tensor(logits_at)
+        if any(cached):
+            assert rows is not None, "a cached prefix lives in a cache row"
+            step.extends = torch.tensor(rows)
+            step.width = max(len(s) for s in seqs)
+            query_at = step.positions[step.pad_index]  # [rows, width]
+            step.mask = (torch.arange(step.width) <= query_at[:, :, None])[:, None]
         return step
 
     @classmethod
@@ -394,6 +453,11 @@ class SlotCache:
         kv = self.kv[:, :, :n, :, :width].flatten(2, 3)
         return kv[:, 0].unbind(0), kv[:, 1].unbind(0)
 
+    def rows(self, layer: int, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+        """Keys and values of these rows, positions [0, width): `[rows, kv_heads, width,
+        head_dim]` each (copies)."""
+        return self._keys[layer][:, :, :width][rows], self._values[layer][:, :, :width][rows]
+
     def keep(self, order: list[int], lengths: list[int]) -> None:
         """Row j becomes old row order[j] (only moved rows are copied)."""
         for j, (src, n) in enumerate(zip(order, lengths, strict=True)):
@@ -410,6 +474,61 @@ class SlotCache:
 
     def reset(self) -> None:
         self._use(torch.zeros(self.shape, dtype=self.dtype))
+
+
+PREFIX_CACHE_BYTES = 256 * 2**20
+"""`PrefixCache`'s budget: ~5,700 tokens of SmolLM2-135M's keys and values in fp32."""
+
+
+class PrefixCache:
+    """Keys and values of recently prefilled sequences, least recently used out past a byte
+    budget, for newcomers that start with the same tokens: the chat template and system prompt
+    every request of an environment shares, an agent's earlier turns. They hold for one set of
+    weights: the runner clears them on every swap."""
+
+    MIN_TOKENS = 16
+    """A shorter shared prefix is recomputed rather than copied."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def longest(self, seq: Sequence[int]) -> tuple[int, torch.Tensor | None]:
+        """The length of the longest cached prefix of `seq` (0 if under `MIN_TOKENS`) and the
+        `[layers, 2, kv_heads, >= length, head_dim]` keys and values it starts."""
+        best, found = 0, None
+        for key in self._entries:
+            n = _common(key, seq)
+            if n > best:
+                best, found = n, key
+        if found is None or best < self.MIN_TOKENS:
+            return 0, None
+        self._entries.move_to_end(found)
+        return best, self._entries[found]
+
+    def add(self, seq: Sequence[int], kv: torch.Tensor) -> None:
+        """Keep `kv` (copied), the keys and values of all of `seq`."""
+        key, size = tuple(seq), kv.numel() * kv.element_size()
+        if len(key) < self.MIN_TOKENS or size > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = kv.clone()
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # shorter one ends it
+        if x != y:
+            return i
+    return min(len(a), len(b))
 
 
 def _columns(
