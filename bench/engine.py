@@ -105,8 +105,17 @@ def prompts_for(path: Path, batch: int, distinct: bool = False) -> list[list[int
     return out
 
 
-def distinct_lengths(prompts: list[list[int]]) -> list[int]:
-    return [len(p) for p in {tuple(p): p for p in prompts}.values()]
+def prefill_lengths(prompts: list[list[int]]) -> list[int]:
+    """Per distinct prompt, its tokens after the longest prefix it shares with an earlier one:
+    what an engine that reuses prefixes (this one: identical prompts, the chat template of a
+    batch's prompts, see `_llama.PrefixCache`) must prefill at least."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for p in {tuple(p): p for p in prompts}:
+        shared = next((n for n in range(len(p), 0, -1) if p[:n] in seen), 0)
+        seen.update(p[: n + 1] for n in range(len(p)))
+        out.append(len(p) - shared)
+    return out
 
 
 def hf_runner(model: torch.nn.Module) -> Callable[[list[list[int]], int], list[list[int]]]:
@@ -202,7 +211,9 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument(
-        "--distinct", action="store_true", help="all prompts different (no shared prefill)"
+        "--distinct",
+        action="store_true",
+        help="all prompts different (sharing only their chat template)",
     )
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="HF's and the engine's"
@@ -244,7 +255,7 @@ def main() -> None:
         prompts = prompts_for(path, batch, args.distinct)
         outs, seconds, extra = {}, dict.fromkeys(sides, float("inf")), dict.fromkeys(sides, 0)
         for _ in range(args.repeats):  # machine, HF, engine in turn: load changes hit all
-            alone(threads, probe, batch, sum(distinct_lengths(prompts)))
+            alone(threads, probe, batch, sum(prefill_lengths(prompts)))
             for name, side in sides.items():
                 with side() as run:
                     before = rss_bytes()
@@ -256,18 +267,19 @@ def main() -> None:
         rows.append((batch, prompts, outs, seconds, extra))
 
     lengths = {b: [len(p) for p in prompts] for b, prompts, *_ in rows}
-    distinct = {b: distinct_lengths(prompts) for b, prompts, *_ in rows}
+    distinct = {b: prefill_lengths(prompts) for b, prompts, *_ in rows}
     print(
         f"\n{model_name(args.model)}, {args.dtype}, greedy, {args.max_tokens} new tokens per "
         f"request, best of {args.repeats}; engine forward: {engine.forward}; process RSS with HF's "
         f"model loaded {baseline / 2**20:.0f} MiB"
     )
     for b in batches:
-        if len(distinct[b]) < b:
+        if sum(distinct[b]) < sum(lengths[b]):
             print(
                 f"batch {b}: {len(distinct[b])} distinct prompts, {sum(distinct[b])} of "
-                f"{sum(lengths[b])} prompt tokens (the engine and the roofline prefill each "
-                "distinct prompt once, HF generate all)"
+                f"{sum(lengths[b])} prompt tokens after the prefixes they share (the roofline "
+                "prefills those, the engine those and whatever prefix is under 16 tokens, HF "
+                "generate all)"
             )
     print(
         f"machine: {alone(threads, machine.describe)}; memcpy {memory['memcpy']:.1f} GB/s "

@@ -132,8 +132,9 @@ def generation_seconds(
     """Roofline: the least time to prefill `prompts` (their lengths) and then decode them
     together until each has `new_tokens` new tokens, at these rates.
 
-    Prefill: its matmuls (real tokens only, of the `distinct` prompts if some prompts are
-    identical; logits of each prompt's last position) at the rates of their shapes, or one read
+    Prefill: its matmuls (real tokens only: `distinct` gives the tokens each distinct prompt
+    adds when identical prompts and shared prefixes are computed once; logits of each prompt's
+    last position) at the rates of their shapes, or one read
     of the weights if slower. Each decode step: the larger of its matmuls at the batch's
     shapes and one read of the weights plus the KV cache."""
     rows = len(prompts)
