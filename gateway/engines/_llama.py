@@ -246,37 +246,37 @@ class LeanRunner:
         copied. A sequence whose first tokens were prefilled before since the last weight swap
         (`prefixes`) starts from their cached keys and values; sequences that share a prefix
         with each other but with nothing cached go in two forwards: the first of them, then
-        the rest from its prefix."""
+        the others from its prefix."""
         first, lengths = len(self._lengths), [len(s) for s in seqs]
         cache = self.model.cache
         cache.reserve(first + len(seqs), max(lengths))
         firsts: dict[tuple[int, ...], int] = {}
         source = [firsts.setdefault(tuple(s), i) for i, s in enumerate(seqs)]
-        rounds: tuple[list[int], list[int]] = ([], [])
+        now: dict[int, tuple[int, torch.Tensor | None]] = {}  # the cached prefix of each
+        later: dict[int, None] = {}  # share a prefix with one of `now`: looked up after it
         for key, i in firsts.items():
-            later = self.prefixes.longest(key)[0] > 0 or any(
-                _common(key, seqs[j]) >= PrefixCache.MIN_TOKENS for j in rounds[0]
-            )
-            rounds[later].append(i)
+            hit = self.prefixes.longest(key)
+            if hit[0] or not any(_common(key, seqs[j]) >= PrefixCache.MIN_TOKENS for j in now):
+                now[i] = hit
+            else:
+                later[i] = None
         rows: dict[int, torch.Tensor] = {}  # unique sequence -> its logits
-        for unique in rounds:
+        for hits in (now, later):
+            unique, cached = list(hits), []
             if not unique:
                 continue
-            cached = []
-            for i in unique:
-                n, kv = self.prefixes.longest(seqs[i])
+            for i, hit in hits.items():
+                n, kv = hit or self.prefixes.longest(seqs[i])
                 n = min(n, lengths[i] - 1)  # the last token is computed: its logits are needed
                 if n:
                     cache.kv[:, :, first + i, :, :n] = kv[:, :, :, :n]
                 cached.append(n)
-            ends = (
-                torch.tensor([lengths[i] - n for i, n in zip(unique, cached, strict=True)]).cumsum(
-                    0
-                )
-                - 1
-            )
+            ends = torch.tensor([lengths[i] for i in unique]) - torch.tensor(cached)
             step = Step.packed(
-                [seqs[i] for i in unique], [first + i for i in unique], ends.tolist(), cached
+                [seqs[i] for i in unique],
+                [first + i for i in unique],
+                (ends.cumsum(0) - 1).tolist(),
+                cached,
             )
             logits = self.model(step)
             finite = torch.isfinite(logits).all(-1).tolist()
