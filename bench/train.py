@@ -5,11 +5,12 @@
 
 A quickstart-shaped batch: `--prompts` Calc-v0 (difficulty 0) chat prompts, `--samples`
 continuations of each (random tokens, 16-64 long, all trained), one train step per repeat.
-Two layouts of the same step, alternating within each repeat (load from other processes hits
-both alike), each keeping its best repeat:
+Three layouts of the same step, alternating within each repeat (load from other processes
+hits all alike), each keeping its best repeat:
 
 - `packed`: the backend as it runs (a prompt forwarded once per micro-batch row, its
-  continuations after it);
+  continuations after it; the rows' common prefix, the chat template, once per micro-batch);
+- `rows`: the same rows, each with its own copy of the template;
 - `padded`: the layout before packing: every sample its own right-padded row.
 
 Roofline: the matmul rate of the model's gate/up projection over 1024 tokens (what
@@ -39,12 +40,19 @@ from trainer.backends.torch_backend import Pack, TorchBackend, pack
 from trainer.config import AlgorithmConfig, TrainBackendConfig
 
 
+class RowsBackend(TorchBackend):
+    """Packed rows, each computing the template it shares with the others."""
+
+    def _packs(self, idx: list[int], samples: list[TrainSample], share: bool = True) -> list[Pack]:
+        return super()._packs(idx, samples, share=False)
+
+
 class PaddedBackend(TorchBackend):
     """The step with the layout it had before packing: one padded row per sample."""
 
-    def _packs(self, idx: list[int], samples: list[TrainSample]) -> list[Pack]:
+    def _packs(self, idx: list[int], samples: list[TrainSample], share: bool = True) -> list[Pack]:
         batches = micro_batches(idx, samples, self.cfg.micro_batch_tokens)
-        return [pack(samples, [[i] for i in b], self.device) for b in batches]
+        return [pack(samples, [[i] for i in b], self.device, share=False) for b in batches]
 
 
 def quickstart_batch(path: str, prompts: int, per_prompt: int, seed: int = 0) -> list[TrainSample]:
@@ -92,7 +100,11 @@ def main() -> None:
     )
     backends = {
         name: cls(path, cfg, AlgorithmConfig(), temperature=0.7)
-        for name, cls in (("packed", TorchBackend), ("padded", PaddedBackend))
+        for name, cls in (
+            ("packed", TorchBackend),
+            ("rows", RowsBackend),
+            ("padded", PaddedBackend),
+        )
     }
     first = backends["packed"]
     shape, dtype = first.shape, first.dtype
@@ -124,8 +136,8 @@ def main() -> None:
         print(
             f"{name:8} {seconds:8.1f} {trained / seconds:9.1f} {gflops:8.1f} {gflops / peak:8.0%}"
         )
-    ratio = best["padded"][0] / best["packed"][0]
-    print(f"packed vs padded: {ratio:.2f}x trained tokens/s")
+    for name in ("rows", "padded"):
+        print(f"packed vs {name}: {best[name][0] / best['packed'][0]:.2f}x trained tokens/s")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from gateway.engines.local import LocalEngine
 from gateway.server import Gateway, GatewayConfig
 from sandbox import SandboxConfig
 from trainer.agentflow import AgentFlow, gateway_socket
-from trainer.config import AgentConfig, RolloutConfig
-from trainer.eval import evaluate
+from trainer.config import AgentConfig, EvalConfig, RolloutConfig
+from trainer.eval import FlowEvaluator, evaluate
 
 
 @pytest.fixture
@@ -129,6 +129,15 @@ async def test_evaluate_plays_the_eval_split(gateway):
     assert result.success_rate == 0.0 and result.mean_turns == 1.0
     assert 0 < result.mean_tokens <= 8
     assert gateway.sessions.num_open == 0
+    # a run's evaluation may cap replies differently from its rollouts (`eval.max_tokens`)
+    capped = await FlowEvaluator(
+        AgentFlow(gateway, rollout), EvalConfig(n=3, max_tokens=3)
+    ).evaluate(0)
+    assert capped["eval/mean_tokens"] <= 3 * capped["eval/mean_turns"]
+    traj = await AgentFlow(gateway, rollout).rollout(
+        None, options={"split": "eval", "index": 0}, max_tokens=3
+    )
+    assert traj.turns and all(t.max_tokens == 3 and len(t.output_ids) <= 3 for t in traj.turns)
 
 
 SAMPLING_AGENT = """

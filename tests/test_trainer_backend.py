@@ -401,13 +401,33 @@ def padded_step_reference(path, samples: list[TrainSample], algo: AlgorithmConfi
     return out.loss.item(), model
 
 
-def test_packed_prompts_give_the_padded_steps_loss_and_gradients(tiny_model_path):
+TEMPLATE = list(range(1000, 1020))  # a 20-token chat template every prompt opens with
+SHARED = [
+    sample(TEMPLATE + [15, 27, 300, 301, 302, 2], 22, +1.0),
+    sample(TEMPLATE + [15, 27, 400, 2], 22, -1.0),
+    sample(TEMPLATE + [99, 500, 501, 502, 503, 504, 2], 21, +0.5),
+    sample(TEMPLATE + [99, 600, 2], 21, -0.5),
+]
+
+
+@pytest.mark.parametrize(
+    ("batch", "prefix", "tokens"),
+    [
+        # one row per prompt: [1, 15, 27] + two continuations, [1, 99] + two continuations
+        (BATCH, 0, (3 + 4 + 2) + (2 + 6 + 2)),
+        # the template once (>= SHARED_PREFIX_MIN tokens), then [15, 27] + two continuations
+        # and [99] + two continuations as rows whose past it is
+        (SHARED, 20, 20 + (2 + 4 + 2) + (1 + 6 + 2)),
+    ],
+)
+def test_packed_prompts_give_the_padded_steps_loss_and_gradients(
+    tiny_model_path, batch, prefix, tokens
+):
     backend = make(tiny_model_path, grad_clip=0.0)  # gradients as computed
-    batch = on_policy(backend, BATCH)
-    packs = backend._packs(list(range(len(batch))), batch)
-    # one row per prompt: [1, 15, 27] + two continuations, [1, 99] + two continuations
-    assert sorted(p.input_ids.shape[0] for p in packs) == [2]
-    assert sum(p.tokens for p in packs) == (3 + 4 + 2) + (2 + 6 + 2)
+    batch = on_policy(backend, batch)  # all positions: no shared prefix
+    (packed,) = backend._packs(list(range(len(batch))), batch)
+    assert packed.input_ids.shape[0] == 2 and packed.prefix.shape == (1, prefix)
+    assert packed.tokens == tokens
     metrics = backend.train_step(batch)
     loss, reference = padded_step_reference(tiny_model_path, batch, backend.algorithm)
     assert metrics["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)

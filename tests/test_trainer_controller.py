@@ -276,8 +276,10 @@ def test_trainer_config_has_no_unknown_sections():
 async def test_mid_run_eval_overlaps_the_next_train_step_and_sees_one_version(
     tmp_path, tiny_model_path
 ):
-    """The step-1 eval waits until the backend has trained step 2 (a controller that held the
-    trainer for its eval would never get there), and no weights are pushed meanwhile."""
+    """The step-0 eval waits until the first rollouts have finished (a controller that
+    evaluated before admitting any would never get there); the step-1 eval until the backend
+    has trained step 2 (one that held the trainer for its eval would not); no weights are
+    pushed meanwhile."""
     cfg = config(tmp_path, "run.steps=3", "eval.every=1")
     source = ToySource()
     push = ToyPush(source)
@@ -286,10 +288,11 @@ async def test_mid_run_eval_overlaps_the_next_train_step_and_sees_one_version(
 
     class OverlapEvaluator:
         async def evaluate(self, step: int) -> dict[str, float]:
-            if 0 < step < cfg.run.steps:
-                async with asyncio.timeout(120):
-                    while backend.step <= step:
-                        await asyncio.sleep(0.01)
+            async with asyncio.timeout(120):
+                while step == 0 and len(source.spans) < cfg.rollout.batch_size:
+                    await asyncio.sleep(0.01)
+                while 0 < step < cfg.run.steps and backend.step <= step:
+                    await asyncio.sleep(0.01)
             seen.append((step, backend.step, list(push.versions)))
             return {"eval/success_rate": step / 10}
 

@@ -91,14 +91,17 @@ class AgentFlow:
         options: dict[str, Any] | None = None,
         temperature: float | None = None,
         tag: str | None = None,
+        max_tokens: int | None = None,
     ) -> Trajectory:
         """One episode of the env task drawn with `reset(seed=prompt, options=options)` (a GRPO
         group shares the prompt), sampled with seed `seed`, in a fresh session; returns its
         closed Trajectory. The env is `tag`'s (default: the one group `group_id` plays). The
         session forces `temperature` (default: the rollout temperature, which the trainer
-        scales its logits by) on every call, and caps each call at `rollout.max_tokens`."""
+        scales its logits by) on every call, and caps each call at `max_tokens` (default
+        `rollout.max_tokens`)."""
         r = self.rollout_cfg
         temperature = r.temperature if temperature is None else temperature
+        max_tokens = r.max_tokens if max_tokens is None else max_tokens
         tag = self.tag_of(group_id) if tag is None else tag
         meta = {
             "agent": self.cfg.kind,
@@ -109,7 +112,7 @@ class AgentFlow:
             "sample_index": sample_index,
         }
         session_id, api_key = self.gateway.create_session(
-            meta, sampling={"temperature": temperature, "max_tokens": r.max_tokens}
+            meta, sampling={"temperature": temperature, "max_tokens": max_tokens}
         )
         session = Session(self.gateway, session_id, api_key, temperature)
         env = self.make_env(tag)

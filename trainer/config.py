@@ -257,6 +257,8 @@ class EvalConfig:
     """Held-out prompts per evaluation."""
     temperature: float = 0.0
     """Sampling temperature for evaluation (0 = greedy)."""
+    max_tokens: int | None = None
+    """Most tokens per model call in evaluation; None = `rollout.max_tokens`."""
     concurrency: int = 16
     """Evaluation episodes in flight at once."""
 
@@ -264,6 +266,8 @@ class EvalConfig:
         _non_negative("every", self.every)
         _non_negative("n", self.n)
         _non_negative("temperature", self.temperature)
+        if self.max_tokens is not None:
+            _positive("max_tokens", self.max_tokens)
         _positive("concurrency", self.concurrency)
 
 

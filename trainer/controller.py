@@ -31,9 +31,10 @@ Rollouts come from a `RolloutSource` (AgentFlow over the gateway in `trainer.run
 returns a Trajectory in tests). A rollout that raises becomes an `error` trajectory: data, not a
 crash. Something that cannot go on (a broken teacher) raises `StopRun`: the run then saves a
 checkpoint and stops with that error, to be resumed once it is fixed. Evaluation (an
-`Evaluator`) runs at step 0, every `eval.every` steps and at the end. One in mid-run does not
-hold the trainer: it runs beside the next train step and is awaited before that step's weight
-push (so it sees one version); its step's metrics line is written then. Rollouts stop after the
+`Evaluator`) runs at step 0, every `eval.every` steps and at the end. The first runs beside
+the first rollouts, one in mid-run beside the next train step; neither holds the trainer: each
+is awaited before the next weight push (so it sees one version), and its step's metrics line is
+written then. Rollouts stop after the
 last train step, so the final evaluation has the engines to itself (nothing would train on them;
 their prompts are in the final checkpoint, to be re-admitted by a run resumed with more steps).
 
@@ -174,11 +175,12 @@ class Controller:
 
     async def run(self) -> Summary:
         summary = Summary(run_dir=self.run_dir, steps=self.cfg.run.steps)
-        if not await self._open_run():
-            summary.eval_first = summary.eval_last = await self._evaluate()
-            self.log.log(0, summary.eval_first)
+        resumed = await self._open_run()
         bar = self._progress_bar()
         admission = asyncio.create_task(self._admit())
+        # the first evaluation goes beside the first rollouts (same weights: the engines batch
+        # them together); the first push waits for it
+        first = None if resumed else asyncio.create_task(self._evaluate())
         self._last_step_end = time.monotonic()
         pending: tuple[int, dict[str, float], asyncio.Task] | None = None  # a line and its eval
         try:
@@ -186,8 +188,12 @@ class Controller:
                 timer = PhaseTimer(*PHASES)
                 with timer("time/generation_wait_s"):
                     batch = await self._next_batch()
-                self._running_eval = pending[2] if pending else None
+                self._running_eval = pending[2] if pending else first
                 metrics = await self.train_step(batch, timer)
+                if first is not None:
+                    summary.eval_first = summary.eval_last = first.result()
+                    self.log.log(0, summary.eval_first)
+                    first = None
                 if pending is not None:
                     version, line, task = pending
                     evaluation, seconds = task.result()
@@ -205,6 +211,9 @@ class Controller:
                     summary.record(metrics, evaluation)
                     self.log.log(self.version, metrics)
                 self._show_progress(bar, metrics, summary.eval_last)
+            if first is not None:  # run.steps=0
+                summary.eval_first = summary.eval_last = await first
+                self.log.log(0, summary.eval_first)
         except StopRun as e:
             await self._checkpoint()
             raise type(e)(
@@ -213,8 +222,9 @@ class Controller:
             ) from e
         finally:
             bar.close()
-            if pending is not None:
-                pending[2].cancel()
+            for task in (first, pending[2] if pending else None):
+                if task is not None:
+                    task.cancel()
             await self._stop_rollouts(admission)
             self.log.close()
         return await self._finish(summary)

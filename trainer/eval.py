@@ -85,9 +85,11 @@ async def evaluate(
     concurrency: int = 16,
     progress: bool = False,
     tag: str | None = None,
+    max_tokens: int | None = None,
 ) -> EvalResult:
     """Play the first `n` tasks of the eval split (None: all of them) of `tag`'s env (default:
-    the first or only one) through `flow`."""
+    the first or only one) through `flow`, `max_tokens` a call (None: the flow's
+    `rollout.max_tokens`)."""
     probe = flow.make_env(tag)
     size = len(probe.unwrapped.eval_tasks())
     probe.close()
@@ -100,7 +102,9 @@ async def evaluate(
     async def one(index: int) -> Trajectory:
         async with limit:
             options = {"split": "eval", "index": index}
-            traj = await flow.rollout(None, options=options, temperature=temperature, tag=tag)
+            traj = await flow.rollout(
+                None, options=options, temperature=temperature, tag=tag, max_tokens=max_tokens
+            )
             bar.update(1)
             return traj
 
@@ -127,6 +131,7 @@ class FlowEvaluator:
                 temperature=self.cfg.temperature,
                 concurrency=self.cfg.concurrency,
                 tag=tag,
+                max_tokens=self.cfg.max_tokens,
             )
             for tag in self.flow.envs
         }

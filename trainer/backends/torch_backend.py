@@ -13,7 +13,10 @@ single-turn RL (quickstart: ~100 prompt tokens, 16-64 generated). A micro-batch 
 prompt once and every continuation of it after it; a 4D mask lets each continuation attend to
 the prompt and its own earlier tokens only, at its own positions, so the log-probs and the
 gradients are those of separate forwards (tests compare them with a padded one), for a
-fraction of the FLOPs. Only loss positions go through the LM head.
+fraction of the FLOPs. The rows of a micro-batch may share more: every Calc-v0 prompt opens
+with the same 58-token chat template. Their longest common prefix (`SHARED_PREFIX_MIN` tokens
+or more) is computed once, and each row attends to its keys and values as its past (gradients
+flow back through them). Only loss positions go through the LM head.
 
 `dtype`: `bf16` keeps fp32 master weights and optimizer state and runs forward/backward under
 bf16 autocast; `auto` asks `gateway.machine.auto_dtype` (bf16 only where native and faster).
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from gateway import machine
@@ -67,42 +70,62 @@ def train_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+SHARED_PREFIX_MIN = 16
+"""Tokens the rows of a micro-batch must share at their start for that prefix to be computed
+once (a forward of its own: below this, it saves less than it costs)."""
+
+
 @dataclass
 class Pack:
     """One micro-batch, packed: each row holds a prompt once and, after it, every continuation
     of it in the micro-batch (a GRPO group's samples share their prompt). A continuation's
     tokens attend to the prompt and to their own earlier tokens only, at the positions they
-    have in their own sample, so each sample's log-probs are those of its own forward pass."""
+    have in their own sample, so each sample's log-probs are those of its own forward pass.
+    The prefix all rows share (`prefix`) is in none of them: it is every row's past."""
 
     samples: list[int]
     """Indices of the samples in this micro-batch, in output order."""
+    prefix: torch.Tensor
+    """[1, P] token ids at positions 0..P-1 of every row's sample (P may be 0)."""
     input_ids: torch.Tensor
-    """[R, W] token ids, rows right-padded."""
+    """[R, W] token ids after the prefix, rows right-padded."""
     position_ids: torch.Tensor
     """[R, W] each token's position in its own sample."""
     mask: torch.Tensor
-    """[R, 1, W, W] bool: query attends to key (pads attend to themselves only)."""
+    """[R, 1, W, P + W] bool: query attends to key, the prefix's keys first (pads attend to
+    themselves and the prefix only)."""
     where: list[torch.Tensor]
-    """Per sample: the flat index (row * W + column) of each of its positions."""
+    """Per sample: the flat index (row * W + column) of each of its positions (those in the
+    prefix, where no loss is, point at column 0 of its row)."""
     tokens: int
-    """Real (non-pad) tokens in the rows: what the forward must compute."""
+    """Real (non-pad) tokens in the prefix and the rows: what the forward must compute."""
     attended: int
     """Sum over real tokens of the keys each attends to (attention FLOPs)."""
 
 
-def pack(samples: list[TrainSample], units: list[list[int]], device: torch.device) -> Pack:
-    """Rows from `units` (sample indices sharing the tokens before their first loss token)."""
+def pack(
+    samples: list[TrainSample], units: list[list[int]], device: torch.device, share: bool = True
+) -> Pack:
+    """Rows from `units` (sample indices sharing the tokens before their first loss token);
+    with `share`, their common prefix is computed once when it is long enough. Each row keeps
+    at least its last prompt token (whose hidden state predicts the first loss token)."""
+    prompts = [samples[u[0]].token_ids[: _prompt_len(samples[u[0]])] for u in units]
+    shared = 0
+    if share and len(units) > 1:
+        shared = min(len(p) for p in prompts) - 1
+        for p in prompts[1:]:
+            shared = next((j for j in range(shared) if p[j] != prompts[0][j]), shared)
+        shared = shared if shared >= SHARED_PREFIX_MIN else 0
     rows, where_rows = [], []
-    for unit in units:
-        prompt = _prompt_len(samples[unit[0]])
-        tokens, positions, branch = list(samples[unit[0]].token_ids[:prompt]), [], []
-        positions, branch = list(range(prompt)), [0] * prompt
+    for unit, prompt_ids in zip(units, prompts, strict=True):
+        prompt = len(prompt_ids)
+        tokens = list(prompt_ids[shared:])
+        positions, branch = list(range(shared, prompt)), [0] * (prompt - shared)
         for b, i in enumerate(unit, start=1):
             ids = samples[i].token_ids
             start = len(tokens)
-            where_rows.append(
-                (len(rows), list(range(prompt)) + list(range(start, start + len(ids) - prompt)))
-            )
+            cols = [0] * shared + list(range(prompt - shared))
+            where_rows.append((len(rows), cols + list(range(start, start + len(ids) - prompt))))
             tokens += ids[prompt:]
             positions += range(prompt, len(ids))
             branch += [b] * (len(ids) - prompt)
@@ -122,17 +145,36 @@ def pack(samples: list[TrainSample], units: list[list[int]], device: torch.devic
     same = (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
     real = br >= 0
     mask = causal & same & real[:, None, :] & real[:, :, None]
-    attended = int(mask.sum())
+    tokens = int(real.sum())
+    attended = int(mask.sum()) + tokens * shared + machine.causal_attended([shared])
     mask |= torch.eye(width, dtype=torch.bool)  # pad rows attend to something (no NaN)
+    mask = torch.cat([torch.ones(len(rows), width, shared, dtype=torch.bool), mask], dim=2)
     where = [torch.tensor(cols, device=device) + r * width for r, cols in where_rows]
     return Pack(
         samples=[i for unit in units for i in unit],
+        prefix=torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device),
         input_ids=ids.to(device),
         position_ids=pos.to(device),
         mask=mask[:, None].to(device),
         where=where,
-        tokens=int(real.sum()),
+        tokens=tokens + shared,
         attended=attended,
+    )
+
+
+def prefix_cache(model: torch.nn.Module, prefix: torch.Tensor, rows: int) -> DynamicCache | None:
+    """The keys and values of `prefix` ([1, P] ids at positions 0..P-1), computed once, as the
+    past of each of `rows` rows (their gradients flow back through it); None if P is 0."""
+    if prefix.shape[1] == 0:
+        return None
+    once = DynamicCache(config=model.config)
+    positions = torch.arange(prefix.shape[1], device=prefix.device)[None]
+    model.base_model(input_ids=prefix, position_ids=positions, cache=once, use_cache=True)
+    return DynamicCache(
+        ddp_cache_data=[
+            (layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
+            for layer in once.layers
+        ]
     )
 
 
@@ -160,6 +202,7 @@ def token_logprobs(
         input_ids=packed.input_ids,
         attention_mask=packed.mask,
         position_ids=packed.position_ids,
+        cache=prefix_cache(model, packed.prefix, packed.input_ids.shape[0]),
     )[0]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     rows = [samples[i] for i in packed.samples]
@@ -379,10 +422,12 @@ class TorchBackend(BackendBase):
     def _pad(self, rows: list[list[float]] | list[list[int]], value: float, dtype) -> torch.Tensor:
         return pad_rows(rows, value, dtype).to(self.device)
 
-    def _packs(self, idx: list[int], samples: list[TrainSample]) -> list[Pack]:
+    def _packs(self, idx: list[int], samples: list[TrainSample], share: bool = True) -> list[Pack]:
         """Micro-batches of `micro_batch_tokens` packed tokens (rows * widest row, padding
         included). Samples with the same prompt share a row (split when it would not fit);
-        rows are packed greedily, longest first."""
+        rows are packed greedily, longest first. With `share`, the rows' common prefix is
+        computed once (not under gradient checkpointing, which would recompute the rows'
+        forward onto the same cache)."""
         by_prompt: dict[tuple[int, ...], list[int]] = {}
         for i in idx:
             by_prompt.setdefault(tuple(samples[i].token_ids[: _prompt_len(samples[i])]), []).append(
@@ -409,14 +454,15 @@ class TorchBackend(BackendBase):
                 batches[-1].append(unit)  # the first unit is the widest, since sorted
             else:
                 batches.append([unit])
-        return [pack(samples, [u for _, u in batch], self.device) for batch in batches]
+        share = share and not self.cfg.gradient_checkpointing
+        return [pack(samples, [u for _, u in batch], self.device, share) for batch in batches]
 
     @torch.no_grad()
     def _score(
         self, model: torch.nn.Module, samples: list[TrainSample], only_loss: bool = True
     ) -> list[torch.Tensor]:
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in self._packs(list(range(len(samples))), samples):
+        for mb in self._packs(list(range(len(samples))), samples, share=only_loss):
             with self._autocast():
                 logp, _, logits = token_logprobs(
                     model, mb, samples, self.temperature, only_loss=only_loss
