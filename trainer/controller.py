@@ -211,9 +211,6 @@ class Controller:
                     summary.record(metrics, evaluation)
                     self.log.log(self.version, metrics)
                 self._show_progress(bar, metrics, summary.eval_last)
-            if first is not None:  # run.steps=0
-                summary.eval_first = summary.eval_last = await first
-                self.log.log(0, summary.eval_first)
         except StopRun as e:
             await self._checkpoint()
             raise type(e)(
