@@ -178,26 +178,26 @@ class Controller:
         resumed = await self._open_run()
         bar = self._progress_bar()
         admission = asyncio.create_task(self._admit())
-        # the first evaluation goes beside the first rollouts (same weights: the engines batch
-        # them together); the first push waits for it
-        first = None if resumed else asyncio.create_task(self._evaluate())
         self._last_step_end = time.monotonic()
-        pending: tuple[int, dict[str, float], asyncio.Task] | None = None  # a line and its eval
+        # a line and its evaluation, running until the next push; the first goes beside the
+        # first rollouts (same weights: the engines batch them together)
+        pending: tuple[int, dict[str, float], asyncio.Task] | None = None
+        if not resumed:
+            pending = (0, {}, asyncio.create_task(self._timed_evaluate()))
         try:
             while self.version < self.cfg.run.steps:
                 timer = PhaseTimer(*PHASES)
                 with timer("time/generation_wait_s"):
                     batch = await self._next_batch()
-                self._running_eval = pending[2] if pending else first
+                self._running_eval = pending[2] if pending else None
                 metrics = await self.train_step(batch, timer)
-                if first is not None:
-                    summary.eval_first = summary.eval_last = first.result()
-                    self.log.log(0, summary.eval_first)
-                    first = None
                 if pending is not None:
                     version, line, task = pending
                     evaluation, seconds = task.result()
-                    summary.record(line | evaluation, evaluation)
+                    if version:
+                        summary.record(line | evaluation, evaluation)
+                    else:
+                        summary.eval_first = summary.eval_last = evaluation
                     self.log.log(version, line | evaluation | {"time/eval_s": seconds})
                     pending = None
                 if self.version >= self.cfg.run.steps:  # the final evaluation has the engines
@@ -219,9 +219,8 @@ class Controller:
             ) from e
         finally:
             bar.close()
-            for task in (first, pending[2] if pending else None):
-                if task is not None:
-                    task.cancel()
+            if pending is not None:
+                pending[2].cancel()
             await self._stop_rollouts(admission)
             self.log.close()
         return await self._finish(summary)

@@ -112,19 +112,17 @@ def pack(
     prompts = [samples[u[0]].token_ids[: _prompt_len(samples[u[0]])] for u in units]
     shared = 0
     if share and len(units) > 1:
-        shared = min(len(p) for p in prompts) - 1
-        for p in prompts[1:]:
-            shared = next((j for j in range(shared) if p[j] != prompts[0][j]), shared)
+        shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
         shared = shared if shared >= SHARED_PREFIX_MIN else 0
     rows, where_rows = [], []
     for unit, prompt_ids in zip(units, prompts, strict=True):
         prompt = len(prompt_ids)
         tokens = list(prompt_ids[shared:])
         positions, branch = list(range(shared, prompt)), [0] * (prompt - shared)
+        cols = [0] * shared + list(range(prompt - shared))  # the prompt's, in the row
         for b, i in enumerate(unit, start=1):
             ids = samples[i].token_ids
             start = len(tokens)
-            cols = [0] * shared + list(range(prompt - shared))
             where_rows.append((len(rows), cols + list(range(start, start + len(ids) - prompt))))
             tokens += ids[prompt:]
             positions += range(prompt, len(ids))
