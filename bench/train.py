@@ -1,17 +1,19 @@
 """The torch train backend against this machine's matmul peak, packed and as it was, in one run.
 
     python bench/train.py [--model smollm2] [--prompts 2] [--samples 8] [--repeats 2]
-                            [--threads N] [--dtype auto]
+                            [--threads N] [--dtype auto] [--lora-rank 16]
 
 A quickstart-shaped batch: `--prompts` Calc-v0 (difficulty 0) chat prompts, `--samples`
 continuations of each (random tokens, 16-64 long, all trained), one train step per repeat.
-Three layouts of the same step, alternating within each repeat (load from other processes
-hits all alike), each keeping its best repeat:
+Three layouts of the same step, and LoRA, alternating within each repeat (load from other
+processes hits all alike), each keeping its best repeat:
 
 - `packed`: the backend as it runs (a prompt forwarded once per micro-batch row, its
   continuations after it; the rows' common prefix, the chat template, once per micro-batch);
 - `rows`: the same rows, each with its own copy of the template;
-- `padded`: the layout before packing: every sample its own right-padded row.
+- `padded`: the layout before packing: every sample its own right-padded row;
+- `lora`: `packed` training rank `--lora-rank` adapters on the frozen model
+  (trainer/backends/lora.py; its FLOPs lack the frozen weights' gradients; 0 leaves it out).
 
 Roofline: the matmul rate of the model's gate/up projection over 1024 tokens (what
 `perf/mfu` divides by), measured before each repeat, best kept. "GFLOP/s" is the step's
@@ -25,6 +27,7 @@ peak and the steps are measured at different moments); the packed/padded ratio h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: no LoRA layout")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,14 +102,11 @@ def main() -> None:
     cfg = TrainBackendConfig(
         device="cpu", lr=1e-6, dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens
     )
-    backends = {
-        name: cls(path, cfg, AlgorithmConfig(), temperature=0.7)
-        for name, cls in (
-            ("packed", TorchBackend),
-            ("rows", RowsBackend),
-            ("padded", PaddedBackend),
-        )
-    }
+    layouts = [("packed", TorchBackend, cfg), ("rows", RowsBackend, cfg)]
+    layouts.append(("padded", PaddedBackend, cfg))
+    if args.lora_rank:
+        layouts.append(("lora", TorchBackend, dataclasses.replace(cfg, lora_rank=args.lora_rank)))
+    backends = {name: cls(path, c, AlgorithmConfig(), temperature=0.7) for name, cls, c in layouts}
     first = backends["packed"]
     shape, dtype = first.shape, first.dtype
     print(machine.describe())
@@ -136,7 +137,7 @@ def main() -> None:
         print(
             f"{name:8} {seconds:8.1f} {trained / seconds:9.1f} {gflops:8.1f} {gflops / peak:8.0%}"
         )
-    for name in ("rows", "padded"):
+    for name in ("rows", "padded", "lora")[: len(best) - 1]:
         print(f"packed vs {name}: {best[name][0] / best['packed'][0]:.2f}x trained tokens/s")
 
 

@@ -110,9 +110,15 @@ class ModelShape:
         attention = 2 * self.heads * self.head_dim * attended  # QK^T and PV
         return 2 * (self.layers * (tokens * linear + attention) + logits * self.hidden * self.vocab)
 
-    def train_flops(self, tokens: int, logits: int | None = None, attended: int = 0) -> int:
-        """Forward + backward (twice the forward's matmuls)."""
-        return 3 * self.forward_flops(tokens, logits, attended)
+    def train_flops(
+        self, tokens: int, logits: int | None = None, attended: int = 0, frozen: bool = False
+    ) -> int:
+        """Forward + backward: twice the forward's matmuls (the gradients of their inputs and
+        of their weights); once when the weights are `frozen` (LoRA), except attention's."""
+        forward = self.forward_flops(tokens, logits, attended)
+        if not frozen:
+            return 3 * forward
+        return 2 * forward + 4 * self.layers * self.heads * self.head_dim * attended
 
 
 def causal_attended(lengths: Sequence[int]) -> int:

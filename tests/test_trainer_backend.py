@@ -187,8 +187,9 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_path):
         assert (pa.grad - pb.grad).abs().max() <= 1e-5 * pb.grad.abs().max()
 
 
-def test_checkpoint_resume_reproduces_the_next_step(tiny_model_path, tmp_path):
-    a = make(tiny_model_path, warmup_steps=3, lr_schedule="cosine")
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_checkpoint_resume_reproduces_the_next_step(tiny_model_path, tmp_path, lora_rank):
+    a = make(tiny_model_path, warmup_steps=3, lr_schedule="cosine", lora_rank=lora_rank)
     batch = on_policy(a, BATCH)
     a.train_step(batch)
     a.save_checkpoint(tmp_path / "ckpt", {"controller": {"next_group": 7}})
@@ -196,7 +197,7 @@ def test_checkpoint_resume_reproduces_the_next_step(tiny_model_path, tmp_path):
     expected = torch.rand(1)
     ma = a.train_step(batch)
 
-    b = make(tiny_model_path, warmup_steps=3, lr_schedule="cosine")
+    b = make(tiny_model_path, warmup_steps=3, lr_schedule="cosine", lora_rank=lora_rank)
     extra = b.load_checkpoint(tmp_path / "ckpt")
     assert extra == {"controller": {"next_group": 7}} and b.step == 1
     torch.rand(3)
@@ -206,17 +207,22 @@ def test_checkpoint_resume_reproduces_the_next_step(tiny_model_path, tmp_path):
     assert {k: v for k, v in ma.items() if k not in timed} == {
         k: v for k, v in mb.items() if k not in timed
     }
-    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+    for pa, pb in zip(a.params, b.params, strict=True):
         assert torch.equal(pa, pb)
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
 
 
 def test_missing_checkpoint_is_a_clear_error(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="run.resume"):
         make(tiny_model_path).load_checkpoint(tmp_path / "nope")
+    make(tiny_model_path).save_checkpoint(tmp_path / "full", {})
+    with pytest.raises(ValueError, match="saved without LoRA; resume with the train.lora_rank"):
+        make(tiny_model_path, lora_rank=4).load_checkpoint(tmp_path / "full")
 
 
-def test_save_hf_is_loadable_by_transformers(tiny_model_path, tmp_path):
-    backend = make(tiny_model_path)
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_save_hf_is_loadable_by_transformers(tiny_model_path, tmp_path, lora_rank):
+    backend = make(tiny_model_path, lora_rank=lora_rank)
     backend.train_step(on_policy(backend, BATCH))
     backend.save_hf(tmp_path / "final")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -371,10 +377,12 @@ def test_make_backend_builds_the_torch_backend(tiny_model_path):
     assert isinstance(backend, TorchBackend) and backend.step == 0
 
 
-def padded_step_reference(path, samples: list[TrainSample], algo: AlgorithmConfig):
+def padded_step_reference(path, samples: list[TrainSample], algo: AlgorithmConfig, state=None):
     """The step as it was before packing: each sample its own padded row, logits everywhere;
-    returns (loss, model with its gradients)."""
+    returns (loss, model with its gradients). `state`: weights instead of the folder's."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
     width = max(len(s.token_ids) for s in samples)
 
     def pad(rows, value):
@@ -437,6 +445,54 @@ def test_packed_prompts_give_the_padded_steps_loss_and_gradients(
         assert (pa.grad - pb.grad).abs().max() <= 1e-5 * pb.grad.abs().max(), name
 
 
+def test_lora_trains_adapters_and_the_engines_get_the_merged_model(tiny_model_path):
+    """The adapters' gradients are the full model's weight gradients through W + s B A (the
+    padded reference at the merged weights, by the chain rule); the base model and its LM head
+    stay as they were; the push, `state_dict` and a plain model loaded from it agree."""
+    backend = make(tiny_model_path, lora_rank=4, lora_alpha=8.0, grad_clip=0.0)
+    lora, base = backend.lora, {k: v.clone() for k, v in backend.model.state_dict().items()}
+    assert lora.scale == 2.0 and len(lora.targets) == 2 * 7  # q k v o gate up down per layer
+    assert all(torch.equal(v, base[k]) for k, v in backend.state_dict().items())  # B = 0
+    assert backend.params == [*lora.parameters()]
+    with torch.no_grad():  # B = 0 would give A no gradient: start away from the model
+        for b in lora.b:
+            b.normal_(0, 0.05)
+    a0, b0 = [a.clone() for a in lora.a], [b.clone() for b in lora.b]
+    merged = backend.state_dict()
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base[
+        "model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    batch = on_policy(backend, BATCH)
+    metrics = backend.train_step(batch)
+
+    loss, reference = padded_step_reference(tiny_model_path, batch, backend.algorithm, merged)
+    assert metrics["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    grads = {k: p.grad for k, p in reference.named_parameters()}
+    for i, name in enumerate(lora.targets):
+        g = grads[name]  # dL/dW at W + s B A;  dL/dB = s g A^T,  dL/dA = s B^T g
+        want_b, want_a = 2.0 * g @ a0[i].T, 2.0 * b0[i].T @ g
+        assert (lora.b[i].grad - want_b).abs().max() <= 1e-5 * want_b.abs().max(), name
+        assert (lora.a[i].grad - want_a).abs().max() <= 1e-5 * want_a.abs().max(), name
+    for name, p in backend.model.named_parameters():
+        assert p.grad is None and torch.equal(p, base[name]), name  # frozen, head included
+
+    state = backend.state_dict()
+    for i, name in enumerate(lora.targets):  # the step moved the adapters: merged anew
+        assert torch.allclose(state[name], base[name] + 2.0 * lora.b[i] @ lora.a[i], atol=1e-6)
+    source = backend.weight_source()
+    names = [spec.name for spec in source.hf_specs()]
+    assert names == [n for n in state if n != "lm_head.weight"]  # tied: once
+    assert all(torch.equal(t, state[n]) for n, t in source.hf_tensors(names))
+    plain = make(tiny_model_path)
+    plain.model.load_state_dict(state)
+    for x, y in zip(plain.logprobs(batch), backend.logprobs(batch), strict=True):
+        assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < 1e-5
+
+
+def test_lora_needs_the_torch_backend():
+    with pytest.raises(ValueError, match="train.lora_rank needs train.kind=torch"):
+        TrainBackendConfig(kind="megatron", lora_rank=8)
+
+
 def test_mfu_is_counted_flops_over_time_and_the_measured_peak(tiny_model_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -456,6 +512,13 @@ def test_mfu_is_counted_flops_over_time_and_the_measured_peak(tiny_model_path, m
     assert forward == 39_094_784
     assert m["perf/train_tflops"] == pytest.approx(3 * forward / 2.0 / 1e12)
     assert m["perf/mfu"] == pytest.approx(3 * forward / 2.0 / 50e9)
+    # LoRA rank 4: the frozen matmuls' weight gradients are not computed (attention's 2 * 2 *
+    # 64 * 37 a layer still 3x), the adapters' (in + out per linear: q 128, k 96, v 96, o 128,
+    # gate 192, up 192, down 192 = 1024 a layer) 3 x 2 x 4 x 2048 a token, 9 tokens.
+    clock = iter([10.0, 12.0])
+    m = make(tiny_model_path, lora_rank=4).train_step(BATCH[:2])
+    flops = 2 * forward + 2 * 2 * (2 * 64 * 37) + 3 * 9 * (2 * 4 * 2048)
+    assert m["perf/train_tflops"] == pytest.approx(flops / 2.0 / 1e12)
 
 
 @pytest.mark.parametrize(("native", "want"), [(True, torch.bfloat16), (False, torch.float32)])

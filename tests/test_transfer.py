@@ -118,6 +118,31 @@ async def test_each_route_moves_the_weights_bit_exactly_while_generating(
             await engine.close()
 
 
+async def test_a_lora_trainers_merged_weights_arrive_over_shm(actors, tiny_model_path):
+    """LoRA: the push reads W + s B A tensor by tensor, a source the shm route cannot move into
+    its segment, so each push merges and copies anew."""
+    from trainer.backends.torch_backend import TorchBackend
+    from trainer.config import AlgorithmConfig, TrainBackendConfig
+
+    cfg = TrainBackendConfig(device="cpu", dtype="fp32", lora_rank=4)
+    backend = TorchBackend(tiny_model_path, cfg, AlgorithmConfig())
+    engine = actors[1]
+    mesh = TransferMesh(backend, [engine], TransferConfig(route="shm", bucket_mb=1))
+    try:
+        for scale in (0.05, 0.1):  # the adapters move between pushes: merged anew each time
+            with torch.no_grad():
+                for b in backend.lora.b:
+                    b.normal_(0, scale)
+            report = await mesh.push(engine.weight_version + 1)
+            assert report.delivered == 1, report.failed
+            want = StateDictSource(backend.state_dict()).tensors
+            assert_same(await remote_weights(engine), want)
+            name = "model.layers.0.mlp.up_proj.weight"
+            assert not torch.equal(want[name], backend.model.state_dict()[name])
+    finally:
+        await mesh.close()
+
+
 def test_the_planner_picks_the_route_for_each_placement():
     here = Placement.here()
     other_node = Placement("other", "another-ray-node", 1, "cpu", here.transports)

@@ -219,6 +219,13 @@ class TrainBackendConfig:
     fp32 otherwise, and a local engine left at float32 follows it (decision in the run header)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    lora_rank: int = 0
+    """LoRA: > 0 trains rank-r adapters on every decoder linear instead of the whole model
+    (frozen; no weight gradients for it, AdamW state for ~1% of the parameters); the engines
+    and the saved model get the merged weights (trainer/backends/lora.py). 0: full training.
+    LoRA usually wants ~10x the learning rate of full training."""
+    lora_alpha: float = 32.0
+    """LoRA: the adapters' output is scaled by lora_alpha / lora_rank."""
     tensor_parallel: int = 1
     """kind=megatron: ranks each layer is split across (must divide the heads, KV heads and
     intermediate size); keep it within one node."""
@@ -247,6 +254,9 @@ class TrainBackendConfig:
         _non_negative("weight_decay", self.weight_decay)
         _non_negative("grad_clip", self.grad_clip)
         _positive("micro_batch_tokens", self.micro_batch_tokens)
+        _non_negative("lora_rank", self.lora_rank)
+        if self.lora_rank and not TRAIN_BACKENDS.attrs(self.kind).get("lora", False):
+            raise ValueError(f"train.lora_rank needs train.kind=torch (not {self.kind}); or 0")
 
 
 @dataclass

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 TRAIN_BACKENDS: Registry[TrainBackend] = Registry("train.kind")
 TRAIN_BACKENDS.register(
-    "torch", "trainer.backends.torch_backend:TorchBackend.from_config", parallel=False
+    "torch", "trainer.backends.torch_backend:TorchBackend.from_config", parallel=False, lora=True
 )
 TRAIN_BACKENDS.register(
     "megatron",

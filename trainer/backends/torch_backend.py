@@ -55,6 +55,7 @@ from trainer.backends.base import (
     step_metrics,
     train_dtype,
 )
+from trainer.backends.lora import Lora, MergedSource
 from trainer.config import AlgorithmConfig, TrainBackendConfig
 from trainer.transfer.endpoints import StateDictSource
 
@@ -300,10 +301,11 @@ class VocabLogprobs(torch.autograd.Function):
             grad.div_(ctx.temperature)
             if capped is not None:
                 grad.mul_(capped.square_().neg_().add_(1))
-            grad_bias = grad.sum(0) if ctx.bias else None
+            need = ctx.needs_input_grad  # a frozen LM head (LoRA) needs no weight gradient
+            grad_bias = grad.sum(0) if ctx.bias and need[2] else None
             grad = grad.to(h.dtype)
-            grad_hidden = (grad @ w).to(ctx.dtypes[0])
-            grad_weight = (grad.T @ h).to(ctx.dtypes[1])
+            grad_hidden = (grad @ w).to(ctx.dtypes[0]) if need[0] else None
+            grad_weight = (grad.T @ h).to(ctx.dtypes[1]) if need[1] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
@@ -341,7 +343,9 @@ class TorchBackend(BackendBase):
         self.ref_model = None
         if algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.lora = Lora(self.model, train.lora_rank, train.lora_alpha) if train.lora_rank else None
+        trained = self.lora or self.model
+        self.params = [p for p in trained.parameters() if p.requires_grad]
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         if head is not None and embed.weight is head.weight:
             # The lookup's gradient as sparse rows, added onto the LM head's dense one (the
@@ -512,7 +516,11 @@ class TorchBackend(BackendBase):
                         self.temperature,
                         self.algorithm.entropy_coef > 0,
                     )
-                self._flops += self.shape.train_flops(packed.tokens, logits, packed.attended)
+                self._flops += self.shape.train_flops(
+                    packed.tokens, logits, packed.attended, frozen=self.lora is not None
+                )
+                if self.lora is not None:
+                    self._flops += 3 * packed.tokens * self.lora.flops_per_token
                 if proximal is None:
                     prox = logp.detach()
                 else:
@@ -554,12 +562,18 @@ class TorchBackend(BackendBase):
     # -- weights and checkpoints ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The model's weights by HF name (with LoRA: merged)."""
+        state = self.model.state_dict()
+        if self.lora is not None:
+            return self.lora.merged(state)
+        return {k: v.detach() for k, v in state.items()}
 
-    def weight_source(self) -> StateDictSource:
+    def weight_source(self) -> StateDictSource | MergedSource:
         """The push's view of the weights: the parameters themselves, which the shm route may
-        move into its segment (the optimizer then updates them there)."""
-        return StateDictSource(self.model.state_dict(keep_vars=True))
+        move into its segment (the optimizer then updates them there); with LoRA, the base
+        weights merged with the adapters as they are read."""
+        state = self.model.state_dict(keep_vars=True)
+        return StateDictSource(state) if self.lora is None else MergedSource(state, self.lora)
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         path = Path(path)
@@ -567,6 +581,7 @@ class TorchBackend(BackendBase):
         state = {
             "step": self._step,
             "model": self.model.state_dict(),
+            "lora": self.lora.state_dict() if self.lora is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
@@ -581,7 +596,14 @@ class TorchBackend(BackendBase):
         if not file.is_file():
             raise ValueError(f"run.resume: {file} does not exist; point it at a checkpoint folder")
         state = torch.load(file, map_location=self.device, weights_only=False)  # our own file
+        if (state.get("lora") is None) != (self.lora is None):
+            raise ValueError(
+                f"run.resume: {file} was saved with{'out' if self.lora else ''} LoRA; resume "
+                "with the train.lora_rank it was trained with"
+            )
         self.model.load_state_dict(state["model"])
+        if self.lora is not None:
+            self.lora.load_state_dict(state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -591,5 +613,5 @@ class TorchBackend(BackendBase):
     def save_hf(self, path: Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        self.model.save_pretrained(path, state_dict=self.state_dict())
         self.tokenizer.save_pretrained(path)
