@@ -178,12 +178,19 @@ def test_micro_batching_does_not_change_the_step(tiny_model_path):
         assert (pa.grad - pb.grad).abs().max() <= 1e-5 * pb.grad.abs().max(), name
 
 
-def test_gradient_checkpointing_gives_the_same_step(tiny_model_path):
-    a, b = make(tiny_model_path), make(tiny_model_path, gradient_checkpointing=True)
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gradient_checkpointing_gives_the_same_step(tiny_model_path, lora_rank):
+    a = make(tiny_model_path, lora_rank=lora_rank)
+    b = make(tiny_model_path, gradient_checkpointing=True, lora_rank=lora_rank)
+    if lora_rank:  # the same adapters, away from zero (B = 0 gives A no gradient)
+        with torch.no_grad():
+            for pa, pb in zip(a.params, b.params, strict=True):
+                pb.copy_(pa.normal_(0, 0.05))
     batch = on_policy(a, BATCH)
     a.train_step(batch)
     b.train_step(batch)
-    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+    for pa, pb in zip(a.params, b.params, strict=True):
+        assert pb.grad is not None and pb.grad.abs().max() > 0
         assert (pa.grad - pb.grad).abs().max() <= 1e-5 * pb.grad.abs().max()
 
 

@@ -344,7 +344,7 @@ class TorchBackend(BackendBase):
         if algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.lora = Lora(self.model, train.lora_rank, train.lora_alpha) if train.lora_rank else None
-        trained = self.lora or self.model
+        trained = self.model if self.lora is None else self.lora
         self.params = [p for p in trained.parameters() if p.requires_grad]
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         if head is not None and embed.weight is head.weight:
