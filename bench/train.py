@@ -102,8 +102,11 @@ def main() -> None:
     cfg = TrainBackendConfig(
         device="cpu", lr=1e-6, dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens
     )
-    layouts = [("packed", TorchBackend, cfg), ("rows", RowsBackend, cfg)]
-    layouts.append(("padded", PaddedBackend, cfg))
+    layouts = [
+        ("packed", TorchBackend, cfg),
+        ("rows", RowsBackend, cfg),
+        ("padded", PaddedBackend, cfg),
+    ]
     if args.lora_rank:
         layouts.append(("lora", TorchBackend, dataclasses.replace(cfg, lora_rank=args.lora_rank)))
     backends = {name: cls(path, c, AlgorithmConfig(), temperature=0.7) for name, cls, c in layouts}
@@ -137,7 +140,7 @@ def main() -> None:
         print(
             f"{name:8} {seconds:8.1f} {trained / seconds:9.1f} {gflops:8.1f} {gflops / peak:8.0%}"
         )
-    for name in ("rows", "padded", "lora")[: len(best) - 1]:
+    for name in list(best)[1:]:
         print(f"packed vs {name}: {best[name][0] / best['packed'][0]:.2f}x trained tokens/s")
 
 

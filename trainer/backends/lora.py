@@ -33,24 +33,25 @@ class Lora(torch.nn.Module):
         model.requires_grad_(False)
         self.scale = alpha / rank
         head = model.get_output_embeddings()
-        self.targets = {
+        modules = {
             f"{name}.weight": module
             for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and module is not head
         }
-        if not self.targets:
+        if not modules:
             raise ValueError("train.lora_rank: the model has no linear layers besides its LM head")
-        self.index = {name: i for i, name in enumerate(self.targets)}
+        self.targets = {name: i for i, name in enumerate(modules)}
+        """The adapted weights' names, each with its adapter's index in `a` and `b`."""
         self.a, self.b = torch.nn.ParameterList(), torch.nn.ParameterList()
-        for module in self.targets.values():
+        for i, module in enumerate(modules.values()):
             w = module.weight
             a = torch.empty(rank, w.shape[1], device=w.device)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as nn.Linear initialises
             self.a.append(torch.nn.Parameter(a))
             self.b.append(torch.nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device)))
-            module.register_forward_hook(self._adapt(len(self.a) - 1))
-        self.flops_per_token = 2 * rank * sum(sum(m.weight.shape) for m in self.targets.values())
-        """FLOPs of the adapters' forward for one token (`B (A x)` of every adapted linear)."""
+            module.register_forward_hook(self._adapt(i))
+        self.flops_per_token = 2 * sum(p.numel() for p in self.parameters())
+        """FLOPs of the adapters' forward for one token (`B (A x)`: rank x (in + out) MACs)."""
 
     def _adapt(self, i: int):
         def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -59,17 +60,18 @@ class Lora(torch.nn.Module):
 
         return hook
 
-    def delta(self, name: str) -> torch.Tensor:
-        """`scale * B A` of the linear whose weight is `name`."""
-        i = self.index[name]
-        return (self.b[i] @ self.a[i]).mul_(self.scale)
+    @torch.no_grad()
+    def merge(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` (the model's tensor `name`) as the engines get it: `W + scale * B A` if
+        adapted, else itself (detached)."""
+        i = self.targets.get(name)
+        if i is None:
+            return weight.detach()
+        return torch.addmm(weight, self.b[i], self.a[i], alpha=self.scale)
 
     def merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` (the model's state dict) with every adapted weight merged."""
-        with torch.no_grad():
-            return {
-                k: v + self.delta(k) if k in self.targets else v.detach() for k, v in state.items()
-            }
+        return {name: self.merge(name, t) for name, t in state.items()}
 
 
 class MergedSource:
@@ -83,6 +85,5 @@ class MergedSource:
         return self.base.hf_specs()
 
     def hf_tensors(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            for name, t in self.base.hf_tensors(names):
-                yield name, t + self.lora.delta(name) if name in self.lora.targets else t
+        for name, t in self.base.hf_tensors(names):
+            yield name, self.lora.merge(name, t)
