@@ -104,6 +104,27 @@ def test_prepacked_and_plain_matmuls_give_hfs_logits(tiny_model_path):
     torch.testing.assert_close(plain, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("layout", ["input-major", "output-major", "indivisible"])
+def test_one_row_matmul_split_across_threads_is_the_matmul(parts, layout):
+    """`_gemv`'s batched slices (inputs summed, or outputs side by side) give x @ W."""
+    torch.manual_seed(0)
+    n_in, n_out = (48, 30) if layout != "indivisible" else (49, 31)
+    weight = torch.randn(n_in, n_out)
+    if layout == "output-major":
+        weight = weight.t().contiguous().t()  # an [out, in] tensor's [in, out] view
+    x, residual = torch.randn(1, n_in), torch.randn(1, n_out)
+    expected = x @ weight
+    torch.testing.assert_close(_llama._gemv(x, weight, parts), expected)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(parts)
+    try:
+        out = _llama._matmul(x, weight, residual.clone())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, residual + expected)
+
+
 @pytest.mark.parametrize(
     ("model", "forward", "expect"),
     [
