@@ -16,8 +16,8 @@ per step, three projections where one would do). This module runs the same maths
   2-core AVX2 EPYC a decode step of 32 rows takes 0.67x the time at 2 threads and 0.82x at one
   (64 rows: 0.81x, 0.92x). Steps of one row multiply the plain `[in, out]` buffers and an
   input-major copy of the LM head instead, in fp32 split across the threads (`_gemv`). The
-  price: a second copy of the weights and a third of the LM head (the plain buffers stay, for one-row
-  steps, swaps and `weights()`);
+  price: a second copy of the weights and a third of the LM head (the plain buffers stay, for
+  one-row steps, swaps and `weights()`);
 - RoPE tables precomputed once for every position;
 - a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
   holds one sequence from position 0, never padded on the left: a decode step writes one
