@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from gateway.engines import _llama
 from gateway.engines.base import MIN_TEMPERATURE, EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
+from gateway.machine import split_gemv
 
 PROMPTS = [[1, 504, 3458, 282, 4799, 314], [1, 28, 17, 9, 355], [1, 8396, 2, 7, 1306, 52, 52]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -107,7 +108,7 @@ def test_prepacked_and_plain_matmuls_give_hfs_logits(tiny_model_path):
 @pytest.mark.parametrize("parts", [2, 3])
 @pytest.mark.parametrize("layout", ["input-major", "output-major", "indivisible"])
 def test_one_row_matmul_split_across_threads_is_the_matmul(parts, layout):
-    """`_gemv`'s batched slices (inputs summed, or outputs side by side) give x @ W."""
+    """`split_gemv`'s batched slices (inputs summed, or outputs side by side) give x @ W."""
     torch.manual_seed(0)
     n_in, n_out = (48, 30) if layout != "indivisible" else (49, 31)
     weight = torch.randn(n_in, n_out)
@@ -115,7 +116,7 @@ def test_one_row_matmul_split_across_threads_is_the_matmul(parts, layout):
         weight = weight.t().contiguous().t()  # an [out, in] tensor's [in, out] view
     x, residual = torch.randn(1, n_in), torch.randn(1, n_out)
     expected = x @ weight
-    torch.testing.assert_close(_llama._gemv(x, weight, parts), expected)
+    torch.testing.assert_close(split_gemv(x, weight, parts), expected)
     threads = torch.get_num_threads()
     torch.set_num_threads(parts)
     try:

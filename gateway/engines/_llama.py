@@ -15,9 +15,9 @@ per step, three projections where one would do). This module runs the same maths
   every call), rebuilt after each weight swap (`repack`, ~0.3 s for 135M parameters). On a
   2-core AVX2 EPYC a decode step of 32 rows takes 0.67x the time at 2 threads and 0.82x at one
   (64 rows: 0.81x, 0.92x). Steps of one row multiply the plain `[in, out]` buffers and an
-  input-major copy of the LM head instead, in fp32 split across the threads (`_gemv`). The
-  price: a second copy of the weights and a third of the LM head (the plain buffers stay, for
-  one-row steps, swaps and `weights()`);
+  input-major copy of the LM head instead, in fp32 split across the threads
+  (`machine.split_gemv`). The price: a second copy of the weights and a third of the LM head
+  (the plain buffers stay, for one-row steps, swaps and `weights()`);
 - RoPE tables precomputed once for every position;
 - a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
   holds one sequence from position 0, never padded on the left: a decode step writes one
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gateway.machine import onednn_linear, onednn_prepack
+from gateway.machine import onednn_linear, onednn_prepack, split_gemv
 
 
 def unsupported(config) -> str | None:
@@ -165,7 +165,7 @@ class LeanLlama(nn.Module):
             None if step.write_rows is None else self.cache.index(step.write_rows, step.positions)
         )
         window = self.cache.window(len(step.ids), step.width) if step.decode else None
-        packed = self.packed if len(step.ids) > 1 else None  # one row: see _gemv
+        packed = self.packed if len(step.ids) > 1 else None  # one row: see _matmul
         for i, layer in enumerate(self.layers):
             w = packed[i] if packed else layer
             qkv = _matmul(self._norm(x, layer["ln1"]), w["qkv"])
@@ -173,7 +173,7 @@ class LeanLlama(nn.Module):
             gate, up = _matmul(self._norm(x, layer["ln2"]), w["gate_up"]).chunk(2, dim=-1)
             x = _matmul(F.silu(gate).mul_(up), w["down"], x)
         x = self._norm(x[step.logits_at] if step.logits_at is not None else x, self.norm)
-        if len(x) == 1:  # fastest over the input-major copy (see _gemv)
+        if len(x) == 1:  # fastest over the input-major copy (see _matmul)
             return _matmul(x, self.head_columns).float()
         if self.packed_head is None:
             return F.linear(x, self.lm_head).float()
@@ -588,22 +588,6 @@ def _matmul(
     if weight.is_mkldnn:
         return onednn_linear(x, weight, residual)
     if len(x) == 1 and x.dtype == torch.float32 and torch.get_num_threads() > 1:
-        out = _gemv(x, weight, torch.get_num_threads())
+        out = split_gemv(x, weight, torch.get_num_threads())
         return out if residual is None else residual.add_(out)
     return torch.mm(x, weight) if residual is None else residual.addmm_(x, weight)
-
-
-def _gemv(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """x @ W for one fp32 row of x, as one batched matmul of `parts` slices of W. MKL runs an
-    fp32 GEMV on one thread (11-22 GB/s on a 2-core Zen 4 EPYC whose two threads read 26-32),
-    its batched GEMM a slice per thread: batch-1 decoding 1.4x faster there. An input-major W
-    is split along its inputs (the partial products summed), an output-major one along its
-    outputs (each output one whole dot product)."""
-    n_in, n_out = weight.shape
-    if weight.is_contiguous() and n_in % parts == 0:
-        parts_in = weight.view(parts, n_in // parts, n_out)
-        return torch.bmm(x.view(parts, 1, n_in // parts), parts_in).sum(0)
-    if weight.t().is_contiguous() and n_out % parts == 0:
-        parts_out = weight.t().view(parts, n_out // parts, n_in).transpose(1, 2)
-        return torch.bmm(x.expand(parts, 1, n_in), parts_out).view(1, n_out)
-    return torch.mm(x, weight)
