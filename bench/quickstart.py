@@ -1,14 +1,14 @@
 """The quickstart, this build against the build before issue 12 with `train.dtype=fp32`.
 
     python bench/quickstart.py [--steps 10] [--seed 0] [--only baseline|this] [--baseline REF]
-                               [--out DIR]
+                               [--out DIR] [key=value ...]
 
 Runs `python -m trainer.run recipe=quickstart run.steps=N` twice on this machine, one after
 the other: first the `--baseline` commit (extracted with `git archive`; default: the build the
 issue measured, whose recipe asked for bf16) with `train.dtype=fp32`, its fastest setting on
 CPUs without native bf16; then this working tree with the recipe's own defaults (`dtype:
-auto`). Prints the CPU, each run's wall time and held-out `eval/success_rate` first -> last,
-and the wall-time ratio. Each run takes 15-40 minutes on 2 cores; run it on a quiet machine.
+auto`) and the `key=value` overrides given, if any. Prints the CPU, each run's wall time and
+held-out `eval/success_rate` first -> last, and the wall-time ratio. Each run takes 15-40 minutes on 2 cores; run it on a quiet machine.
 One run per build says little about learning (GRPO on 32 samples a step varies a lot from seed
 to seed): compare several `--seed`s, one build at a time with `--only`.
 """
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("baseline", "this"), help="run one build only")
     parser.add_argument("--baseline", default=BASELINE, help="git ref of the build to beat")
     parser.add_argument("--out", default="", help="keep both run directories here")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for this build's run")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from gateway import machine
@@ -71,7 +72,8 @@ def main() -> None:
         builds = {
             "baseline": (f"baseline {args.baseline[:10]}, train.dtype=fp32", old_tree,
                          ["train.dtype=fp32"]),
-            "this": ("this build, recipe defaults", ROOT, []),
+            "this": (f"this build, {' '.join(args.overrides) or 'recipe defaults'}", ROOT,
+                     args.overrides),
         }  # fmt: skip
         for key, (name, tree, overrides) in builds.items():
             if args.only not in (None, key):

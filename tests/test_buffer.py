@@ -113,6 +113,14 @@ def test_gate_window_arithmetic():
     assert gate.capacity == 6 and gate.can_admit()
     resumed = StalenessGate(batch_size=2, max_staleness=0, version=3)
     assert resumed.accepted == 6 and resumed.capacity == 8
+    last = StalenessGate(batch_size=2, max_staleness=1, version=2, steps=3)
+    assert last.capacity == 6  # the last step's batch, not one more for a step never trained
+    last.running = 2
+    assert not last.can_admit()
+    last.set_version(1)
+    assert last.capacity == 6
+    last.set_version(0)
+    assert last.capacity == 4
     with pytest.raises(ValueError):
         StalenessGate(batch_size=0, max_staleness=0)
 

@@ -163,7 +163,7 @@ async def test_async_run_overlaps_and_bounds_staleness(tmp_path, tiny_model_path
     assert any(r["overlong/penalty_mean"] > 0 for r in rows)
     # batch v+1 was generated with version v while step v trained: generation overlapped it
     assert any(r["staleness/max"] == 1 for r in rows)
-    assert len(source.spans) > 4 * 2 * 3  # and it ran ahead of the trainer
+    assert len(source.spans) == 4 * 2 * 3  # but never past the last step's batch
 
 
 async def test_failing_rollouts_are_data(tmp_path, tiny_model_path, caplog):
@@ -306,9 +306,10 @@ async def test_mid_run_eval_overlaps_the_next_train_step_and_sees_one_version(
 
 
 async def test_rollouts_stop_before_the_final_evaluation(tmp_path, tiny_model_path):
-    """Nothing trains on rollouts after the last step: the final evaluation does not share the
-    engines with them (a mid-run one does), and their prompts stay in the final checkpoint."""
-    cfg = config(tmp_path, "run.steps=2", "eval.every=1", "rollout.max_staleness=1")
+    """No rollout is started that no step would train: the last step's batch is the last one
+    admitted, so the final evaluation does not share the engines with rollouts (a mid-run one
+    does) and the final checkpoint holds no admitted prompt."""
+    cfg = config(tmp_path, "run.steps=3", "eval.every=1", "rollout.max_staleness=1")
     running: dict[int, int] = {}
 
     class SlowSource(ToySource):
@@ -328,6 +329,7 @@ async def test_rollouts_stop_before_the_final_evaluation(tmp_path, tiny_model_pa
         evaluator=InflightEvaluator(),
     )  # fmt: skip
     await ctl.run()
-    assert running[1] > 0 and running[2] == 0, running
-    state = torch.load(tmp_path / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)
-    assert state["extra"]["controller"]["pending"], state["extra"]["controller"]
+    assert running[1] > 0 and running[3] == 0, running
+    state = torch.load(tmp_path / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
+    assert state["extra"]["controller"]["pending"] == [], state["extra"]["controller"]
+    assert len(source.spans) == 3 * 2 * 2

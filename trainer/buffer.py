@@ -7,7 +7,9 @@ Staleness gate (DESIGN.md, "Async and staleness"): a group is admitted only whil
 admitting it, `accepted + running <= (max_staleness + version + 1) * batch_size`. `version` is
 the number of train steps done; `accepted` counts every group accepted so far (trained or
 waiting), `running` the groups in flight. With max_staleness 0 this admits exactly one batch per
-version: synchronous RL.
+version: synchronous RL. A run of `steps` steps never admits past its last batch: the capacity
+stops at `steps * batch_size`, so nothing is generated during the last step that no step would
+train (it would take cores from that step's training on a shared CPU).
 
 The gate alone does not bound the lag: a long rollout can be overtaken by short ones admitted
 after it, and the trainer, taking whatever is complete, would move on until the long one is too
@@ -41,7 +43,9 @@ from gateway.trajectory import Trajectory
 class StalenessGate:
     """Admission control by the staleness window; see the module docstring."""
 
-    def __init__(self, batch_size: int, max_staleness: int, version: int = 0) -> None:
+    def __init__(
+        self, batch_size: int, max_staleness: int, version: int = 0, steps: int | None = None
+    ) -> None:
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError(
                 f"need batch_size > 0 and max_staleness >= 0, got {batch_size}, {max_staleness}"
@@ -49,12 +53,15 @@ class StalenessGate:
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.version = version
+        self.steps = steps
+        """The run's last version (None: unbounded)."""
         self.accepted = version * batch_size  # a (re)started run has consumed `version` batches
         self.running = 0
 
     @property
     def capacity(self) -> int:
-        return (self.max_staleness + self.version + 1) * self.batch_size
+        versions = self.max_staleness + self.version + 1
+        return min(versions, self.steps or versions) * self.batch_size
 
     def can_admit(self) -> bool:
         return self.accepted + self.running + 1 <= self.capacity

@@ -34,9 +34,9 @@ checkpoint and stops with that error, to be resumed once it is fixed. Evaluation
 `Evaluator`) runs at step 0, every `eval.every` steps and at the end. The first runs beside
 the first rollouts, one in mid-run beside the next train step; neither holds the trainer: each
 is awaited before the next weight push (so it sees one version), and its step's metrics line is
-written then. Rollouts stop after the
-last train step, so the final evaluation has the engines to itself (nothing would train on them;
-their prompts are in the final checkpoint, to be re-admitted by a run resumed with more steps).
+written then. No rollout starts that no step would train (the staleness window stops at the
+last step's batch), so the last train step has the cores to itself on a shared CPU and the
+final evaluation has the engines to itself.
 
 Checkpoints hold the backend state and the controller's: the prompt stream position, the next
 group id and the prompts admitted but not yet trained (re-admitted first on resume, under their
@@ -151,7 +151,7 @@ class Controller:
         self.teachers = teachers
         self.run_dir = Path(run_dir) if run_dir is not None else resolve_run_dir(cfg)
         r = cfg.rollout
-        self.gate = StalenessGate(r.batch_size, r.max_staleness)
+        self.gate = StalenessGate(r.batch_size, r.max_staleness, steps=cfg.run.steps)
         self.batcher = GroupBatcher(
             r.batch_size, r.num_samples_per_prompt, r.max_staleness, r.filter_zero_variance
         )
@@ -468,7 +468,8 @@ class Controller:
         self.next_group_id = state["next_group_id"]
         self.prompts.load_state_dict(state["prompts"])
         self.resubmit = [(int(g), p) for g, p in state["pending"]]
-        self.gate = StalenessGate(self.gate.batch_size, self.gate.max_staleness, self.version)
+        gate = self.gate
+        self.gate = StalenessGate(gate.batch_size, gate.max_staleness, self.version, gate.steps)
 
     async def _checkpoint(self) -> None:
         path = self.run_dir / "checkpoints" / f"step_{self.version:06d}"
