@@ -121,6 +121,7 @@ def test_gate_window_arithmetic():
     assert last.capacity == 6
     last.set_version(0)
     assert last.capacity == 4
+    assert not StalenessGate(batch_size=2, max_staleness=1, steps=0).can_admit()
     with pytest.raises(ValueError):
         StalenessGate(batch_size=0, max_staleness=0)
 

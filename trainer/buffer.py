@@ -61,7 +61,9 @@ class StalenessGate:
     @property
     def capacity(self) -> int:
         versions = self.max_staleness + self.version + 1
-        return min(versions, self.steps or versions) * self.batch_size
+        if self.steps is not None:
+            versions = min(versions, self.steps)
+        return versions * self.batch_size
 
     def can_admit(self) -> bool:
         return self.accepted + self.running + 1 <= self.capacity
