@@ -8,7 +8,8 @@ the other: first the `--baseline` commit (extracted with `git archive`; default:
 issue measured, whose recipe asked for bf16) with `train.dtype=fp32`, its fastest setting on
 CPUs without native bf16; then this working tree with the recipe's own defaults (`dtype:
 auto`) and the `key=value` overrides given, if any. Prints the CPU, each run's wall time and
-held-out `eval/success_rate` first -> last, and the wall-time ratio. Each run takes 15-40 minutes on 2 cores; run it on a quiet machine.
+held-out `eval/success_rate` first -> last, and the wall-time ratio. Each run takes 15-40
+minutes on 2 cores; run it on a quiet machine.
 One run per build says little about learning (GRPO on 32 samples a step varies a lot from seed
 to seed): compare several `--seed`s, one build at a time with `--only`.
 """

@@ -319,7 +319,7 @@ def _linear_kernels(device: str, rows: int) -> list[tuple[Callable, Callable]]:
     `rows` rows (the local engine's kernels)."""
     kernels: list[tuple[Callable, Callable]] = [(_same, F.linear)]
     if device == "cpu" and rows == 1:
-        kernels.append((_input_major, _split_linear))
+        kernels.append((input_major, _split_linear))
     if device == "cpu" and torch.backends.mkldnn.is_available():
         prepack = functools.partial(onednn_prepack, rows=rows)
         kernels += [(_same, onednn_linear), (prepack, onednn_linear)]
@@ -330,8 +330,12 @@ def _same(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def _input_major(w: torch.Tensor) -> torch.Tensor:
-    return w.t().contiguous()
+def input_major(weight: torch.Tensor) -> torch.Tensor:
+    """An [out, in] weight copied into a contiguous [in, out] buffer. MKL multiplies by these
+    1.2-1.6x faster than by HF's [out, in] layout at batch 1 (gate_up also at batch 32) on an
+    AVX2 EPYC, the LM head 1.4-1.9x (113 MB streamed from memory: 10.8 against 14.8 ms); at
+    more rows the LM head is as fast in HF's layout, and down_proj at any, so they stay."""
+    return weight.t().contiguous()
 
 
 def _split_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

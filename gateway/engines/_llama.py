@@ -7,9 +7,9 @@ per step, three projections where one would do). This module runs the same maths
 - fused weights: one `qkv` projection and one `gate_up` projection per layer (the HF tensors
   `q_proj/k_proj/v_proj` and `gate_proj/up_proj` are row-slices of them, so `weights()` hands
   out views and a weight swap is one `copy_` per tensor straight into the fused buffers).
-  `qkv`, `o_proj` and `gate_up` are stored input-major (see `_input_major`; a swap copies into
-  them transposing, ~2 GB/s); the rest (embeddings, tied LM head, `down_proj`, norms) are HF's
-  own tensors;
+  `qkv`, `o_proj` and `gate_up` are stored input-major (see `machine.input_major`; a swap
+  copies into them transposing, ~2 GB/s); the rest (embeddings, tied LM head, `down_proj`,
+  norms) are HF's own tensors;
 - on CPU in fp32, every matmul weight also has a copy prepacked by oneDNN
   (`machine.onednn_prepack`: the blocked layout its GEMM would otherwise pack the weight into on
   every call), rebuilt after each weight swap (`repack`, ~0.3 s for 135M parameters). On a
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gateway.machine import onednn_linear, onednn_prepack, split_gemv
+from gateway.machine import input_major, onednn_linear, onednn_prepack, split_gemv
 
 
 def unsupported(config) -> str | None:
@@ -92,13 +92,13 @@ class LeanLlama(nn.Module):
             attn = [hf[p + f"self_attn.{n}_proj.weight"].data for n in "qkv"]
             mlp = [hf[p + f"mlp.{n}_proj.weight"].data for n in ("gate", "up")]
             down = hf[p + "mlp.down_proj.weight"].data
-            # Every matmul weight as [in, out] (x @ w); see _input_major for which are copies.
+            # Every matmul weight as [in, out] (x @ w); machine.input_major: which are copies.
             layer = {
                 "ln1": hf[p + "input_layernorm.weight"].data,
-                "qkv": _input_major(torch.cat(attn)),
-                "o": _input_major(hf[p + "self_attn.o_proj.weight"].data),
+                "qkv": input_major(torch.cat(attn)),
+                "o": input_major(hf[p + "self_attn.o_proj.weight"].data),
                 "ln2": hf[p + "post_attention_layernorm.weight"].data,
-                "gate_up": _input_major(torch.cat(mlp)),
+                "gate_up": input_major(torch.cat(mlp)),
                 "down": down.t(),  # HF's own tensor, transposed view
             }
             self.layers.append(layer)
@@ -128,7 +128,7 @@ class LeanLlama(nn.Module):
         """Per layer, prepacked copies of the matmul weights (None: no oneDNN fp32 here)."""
         self.packed_head: torch.Tensor | None = None
         self.head_columns: torch.Tensor
-        """The LM head input-major, for one-row steps (see `_input_major`)."""
+        """The LM head input-major, for one-row steps (see `machine.input_major`)."""
         self.repack()
         self.cache = SlotCache(
             config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_rows, positions, dtype
@@ -140,7 +140,7 @@ class LeanLlama(nn.Module):
 
     def repack(self) -> None:
         """(Re)build the derived weights from the plain ones (after they were written)."""
-        self.head_columns = _input_major(self.lm_head)
+        self.head_columns = input_major(self.lm_head)
         if self.packed is None and not _prepacks(self.lm_head.dtype):
             return
         self.packed = [
@@ -548,14 +548,6 @@ def _columns(
     return out
 
 
-def _input_major(weight: torch.Tensor) -> torch.Tensor:
-    """An [out, in] weight copied into a contiguous [in, out] buffer. MKL multiplies by these
-    1.2-1.6x faster than by HF's [out, in] layout at batch 1 (gate_up also at batch 32) on an
-    AVX2 EPYC, the LM head 1.4-1.9x (113 MB streamed from memory: 10.8 against 14.8 ms); at
-    more rows the LM head is as fast in HF's layout, and down_proj at any, so they stay."""
-    return weight.t().contiguous()
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] with
     sin's first half negated, so rotate_half(x) * sin == roll(x, half) * signed sin."""
@@ -587,7 +579,8 @@ def _matmul(
     prepacked [out, in] one."""
     if weight.is_mkldnn:
         return onednn_linear(x, weight, residual)
-    if len(x) == 1 and x.dtype == torch.float32 and torch.get_num_threads() > 1:
-        out = split_gemv(x, weight, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if len(x) == 1 and x.dtype == torch.float32 and threads > 1:
+        out = split_gemv(x, weight, threads)
         return out if residual is None else residual.add_(out)
     return torch.mm(x, weight) if residual is None else residual.addmm_(x, weight)
