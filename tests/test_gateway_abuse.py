@@ -517,7 +517,9 @@ async def test_log_dir_keeps_every_trajectory(engine, renderer, tiny_model_path,
 
 
 # ~25 MB of SSE (4 choices x 4000 tokens x 20 top logprobs): more than the socket buffers hold,
-# so a client that reads one line keeps the request in flight
+# so a client that reads one line keeps the request in flight. Seeded: the tiny model samples its
+# EOS with p ~2e-5 a token, so an unseeded choice ended as `stop` before the cut in a few runs
+# in a hundred; seeds 0-3 give 4000 tokens each without one.
 HUGE_STREAM = {
     **CHAT,
     "max_tokens": 4000,
@@ -526,6 +528,7 @@ HUGE_STREAM = {
     "logprobs": True,
     "top_logprobs": 20,
     "stream": True,
+    "seed": 0,
 }
 
 
