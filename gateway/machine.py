@@ -32,7 +32,10 @@ are computed, and attention's QK^T and PV. Norms, activations, RoPE and softmax 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import logging
 import mmap
 import os
 import platform
@@ -40,10 +43,13 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 PROBE_SECONDS = 0.25
 """Wall time of one probe (split over 3 repeats)."""
@@ -316,12 +322,12 @@ class CoreBoard:
 
 
 def _linear_kernels(device: str, rows: int) -> list[tuple[Callable, Callable]]:
-    """(prepare the weight, multiply) pairs: torch's linear; on CPU for one row `split_gemv`
-    over the weight input-major, and oneDNN's on the plain weight and on one prepacked for
-    `rows` rows (the local engine's kernels)."""
+    """(prepare the weight, multiply) pairs: torch's linear; on CPU for one row `gemv`, and
+    oneDNN's on the plain weight and on one prepacked for `rows` rows (the local engine's
+    kernels)."""
     kernels: list[tuple[Callable, Callable]] = [(_same, F.linear)]
     if device == "cpu" and rows == 1:
-        kernels.append((input_major, _split_linear))
+        kernels.append((_same, gemv))
     if device == "cpu" and torch.backends.mkldnn.is_available():
         prepack = functools.partial(onednn_prepack, rows=rows)
         kernels += [(_same, onednn_linear), (prepack, onednn_linear)]
@@ -330,18 +336,6 @@ def _linear_kernels(device: str, rows: int) -> list[tuple[Callable, Callable]]:
 
 def _same(w: torch.Tensor) -> torch.Tensor:
     return w
-
-
-def input_major(weight: torch.Tensor) -> torch.Tensor:
-    """An [out, in] weight copied into a contiguous [in, out] buffer. MKL multiplies by these
-    1.2-1.6x faster than by HF's [out, in] layout at batch 1 (gate_up also at batch 32) on an
-    AVX2 EPYC, the LM head 1.4-1.9x (113 MB streamed from memory: 10.8 against 14.8 ms); at
-    more rows the LM head is as fast in HF's layout, and down_proj at any, so they stay."""
-    return weight.t().contiguous()
-
-
-def _split_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return split_gemv(x, weight, torch.get_num_threads())
 
 
 def onednn_prepack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -360,20 +354,78 @@ def onednn_linear(
     return linear.binary(x, residual, weight, None, "add")
 
 
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ residual, updated in place) for one row of x and an [out, in] weight
+    with contiguous rows: the compiled kernel (`gemv_kernel`) where it built and takes the
+    dtype, else `split_gemv` in fp32 and torch's linear otherwise."""
+    kernel = gemv_kernel() if x.device.type == "cpu" else None
+    if kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
+        return kernel(x.contiguous(), weight, residual)
+    threads = torch.get_num_threads()
+    if x.device.type == "cpu" and x.dtype == torch.float32 and threads > 1:
+        out = split_gemv(x, weight, threads)
+    else:
+        out = F.linear(x, weight)
+    return out if residual is None else residual.add_(out)
+
+
+GEMV_SOURCE = Path(__file__).with_name("gemv.cpp")
+
+
+@functools.cache
+def gemv_kernel() -> Callable | None:
+    """The one-row matmul of `gemv.cpp`, compiled for this CPU on first use (~25 s on 2 cores;
+    torch caches the build under TORCH_EXTENSIONS_DIR, `make setup` does it once) and checked
+    against torch's linear; None, with a warning saying why, where it cannot be built (no C++
+    compiler or OpenMP, e.g. macOS's clang) or is wrong. MKL's GEMV runs on one thread, and
+    its batched GEMM split over the threads (`split_gemv`) reads each weight at ~27 GB/s on a
+    2-core Zen 4 EPYC whose cores read the same weights at ~40 (a sum over them): this kernel
+    reads them at the sum's rate, 1.5x `split_gemv` in fp32 and ~2.5x torch's bf16 GEMV."""
+    from torch.utils import cpp_extension
+
+    cpu = platform.machine() + _cpu_flags() + torch.__version__ + GEMV_SOURCE.read_text()
+    name = "loongsage_gemv_" + hashlib.sha1(cpu.encode()).hexdigest()[:12]
+    try:
+        module = cpp_extension.load(
+            name,
+            [str(GEMV_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+            x, w, r = torch.randn(1, 67), torch.randn(9, 67), torch.randn(1, 9)
+            x, w, r = x.to(dtype), w.to(dtype), r.to(dtype)
+            want = (x.float() @ w.float().T + r.float()).to(dtype).float()
+            got = module.gemv(x, w, r.clone()).float()
+            if not torch.allclose(got, want, atol=tol, rtol=tol):
+                raise RuntimeError(f"{dtype} result off by {(got - want).abs().max():.3g}")
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback
+        log.warning("one-row matmul kernel unavailable (%s); using split_gemv", exc)
+        return None
+    return module.gemv
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), where the OS says."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    return platform.processor()
+
+
 def split_gemv(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """x @ W for one row of x, as one batched matmul of `parts` slices of W. MKL runs an
-    fp32 GEMV on one thread (11-22 GB/s on a 2-core Zen 4 EPYC whose two threads read 26-32),
-    its batched GEMM a slice per thread: batch-1 decoding 1.4x faster there. An input-major W
-    is split along its inputs (the partial products summed), an output-major one along its
-    outputs (each output one whole dot product)."""
-    n_in, n_out = weight.shape
-    if weight.is_contiguous() and n_in % parts == 0:
-        parts_in = weight.view(parts, n_in // parts, n_out)
-        return torch.bmm(x.view(parts, 1, n_in // parts), parts_in).sum(0)
-    if weight.t().is_contiguous() and n_out % parts == 0:
-        parts_out = weight.t().view(parts, n_out // parts, n_in).transpose(1, 2)
-        return torch.bmm(x.expand(parts, 1, n_in), parts_out).view(1, n_out)
-    return torch.mm(x, weight)
+    """x @ weight.T for one row of x and a contiguous [out, in] weight, as one batched matmul
+    of `parts` blocks of its rows (`gemv` without its kernel): MKL runs an fp32 GEMV on one
+    thread, its batched GEMM a block per thread (batch-1 decoding 1.4x faster on a 2-core
+    Zen 4 EPYC than one thread)."""
+    n_out, n_in = weight.shape
+    if not weight.is_contiguous() or n_out % parts:
+        return F.linear(x, weight)
+    blocks = weight.view(parts, n_out // parts, n_in).transpose(1, 2)
+    return torch.bmm(x.expand(parts, 1, n_in), blocks).view(1, n_out)
 
 
 def _best_seconds(fn: Callable[[], object], device: str, repeats: int = 3) -> float:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from gateway import machine
 from gateway.engines import _llama
 from gateway.engines.base import MIN_TEMPERATURE, EngineError, SamplingParams
 from gateway.engines.local import LocalEngine
-from gateway.machine import split_gemv
 
 PROMPTS = [[1, 504, 3458, 282, 4799, 314], [1, 28, 17, 9, 355], [1, 8396, 2, 7, 1306, 52, 52]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -105,25 +106,42 @@ def test_prepacked_and_plain_matmuls_give_hfs_logits(tiny_model_path):
     torch.testing.assert_close(plain, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-@pytest.mark.parametrize("layout", ["input-major", "output-major", "indivisible"])
-def test_one_row_matmul_split_across_threads_is_the_matmul(parts, layout):
-    """`split_gemv`'s batched slices (inputs summed, or outputs side by side) give x @ W."""
+@pytest.mark.parametrize("shape", [(30, 48), (31, 49), (1, 5), (97, 130)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kernel", ["compiled", "fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_matmul_is_the_matmul(monkeypatch, dtype, kernel, threads, shape):
+    """`machine.gemv` (the compiled kernel, or without it `split_gemv` and torch's linear) is
+    x @ W.T for one row and an [out, in] weight, adding into the residual in place."""
+    if kernel == "fallback":
+        monkeypatch.setattr(machine, "gemv_kernel", lambda: None)
     torch.manual_seed(0)
-    n_in, n_out = (48, 30) if layout != "indivisible" else (49, 31)
-    weight = torch.randn(n_in, n_out)
-    if layout == "output-major":
-        weight = weight.t().contiguous().t()  # an [out, in] tensor's [in, out] view
-    x, residual = torch.randn(1, n_in), torch.randn(1, n_out)
-    expected = x @ weight
-    torch.testing.assert_close(split_gemv(x, weight, parts), expected)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(parts)
+    weight, x, residual = torch.randn(shape), torch.randn(1, shape[1]), torch.randn(1, shape[0])
+    expected = x.to(dtype).float() @ weight.to(dtype).float().T
+    weight, x, residual = weight.to(dtype), x.to(dtype), residual.to(dtype)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        out = _llama._matmul(x, weight, residual.clone())
+        out = machine.gemv(x, weight)
+        added = residual.clone()
+        machine.gemv(x, weight, added)
+        split = machine.split_gemv(x.float(), weight.float(), threads)
     finally:
-        torch.set_num_threads(threads)
-    torch.testing.assert_close(out, residual + expected)
+        torch.set_num_threads(before)
+    assert out.dtype == dtype and out.shape == (1, shape[0])
+    torch.testing.assert_close(out.float(), expected, **tol)
+    torch.testing.assert_close(added.float(), residual.float() + expected, **tol)
+    torch.testing.assert_close(split, expected, **tol)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or not shutil.which("c++"), reason="needs a C++ compiler and OpenMP"
+)
+def test_one_row_kernel_builds_here():
+    """Where a compiler is, the engine's one-row steps run the compiled kernel, not a fallback
+    that is 1.5x slower (a broken build only warns: this makes it fail)."""
+    assert machine.gemv_kernel() is not None
 
 
 @pytest.mark.parametrize(

@@ -6,18 +6,15 @@ per step, three projections where one would do). This module runs the same maths
 
 - fused weights: one `qkv` projection and one `gate_up` projection per layer (the HF tensors
   `q_proj/k_proj/v_proj` and `gate_proj/up_proj` are row-slices of them, so `weights()` hands
-  out views and a weight swap is one `copy_` per tensor straight into the fused buffers).
-  `qkv`, `o_proj` and `gate_up` are stored input-major (see `machine.input_major`; a swap
-  copies into them transposing, ~2 GB/s); the rest (embeddings, tied LM head, `down_proj`,
-  norms) are HF's own tensors;
+  out views and a weight swap is one `copy_` per tensor straight into the fused buffers). Every
+  weight stays in HF's `[out, in]` layout;
 - on CPU in fp32, every matmul weight also has a copy prepacked by oneDNN
   (`machine.onednn_prepack`: the blocked layout its GEMM would otherwise pack the weight into on
   every call), rebuilt after each weight swap (`repack`, ~0.3 s for 135M parameters). On a
   2-core AVX2 EPYC a decode step of 32 rows takes 0.67x the time at 2 threads and 0.82x at one
-  (64 rows: 0.81x, 0.92x). Steps of one row multiply the plain `[in, out]` buffers and an
-  input-major copy of the LM head instead, in fp32 split across the threads
-  (`machine.split_gemv`). The price: a second copy of the weights and a third of the LM head
-  (the plain buffers stay, for one-row steps, swaps and `weights()`);
+  (64 rows: 0.81x, 0.92x). Steps of one row multiply the plain weights by `machine.gemv` (a
+  compiled kernel that streams each weight once across the threads, fp32 or bf16); the price
+  of the prepacked copies is a second copy of the layers' weights;
 - RoPE tables precomputed once for every position;
 - a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
   holds one sequence from position 0, never padded on the left: a decode step writes one
@@ -43,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gateway.machine import input_major, onednn_linear, onednn_prepack, split_gemv
+from gateway.machine import gemv, gemv_kernel, onednn_linear, onednn_prepack
 
 
 def unsupported(config) -> str | None:
@@ -91,25 +88,28 @@ class LeanLlama(nn.Module):
             p = f"model.layers.{i}."
             attn = [hf[p + f"self_attn.{n}_proj.weight"].data for n in "qkv"]
             mlp = [hf[p + f"mlp.{n}_proj.weight"].data for n in ("gate", "up")]
-            down = hf[p + "mlp.down_proj.weight"].data
-            # Every matmul weight as [in, out] (x @ w); machine.input_major: which are copies.
             layer = {
                 "ln1": hf[p + "input_layernorm.weight"].data,
-                "qkv": input_major(torch.cat(attn)),
-                "o": input_major(hf[p + "self_attn.o_proj.weight"].data),
+                "qkv": torch.cat(attn),
+                "o": hf[p + "self_attn.o_proj.weight"].data,
                 "ln2": hf[p + "post_attention_layernorm.weight"].data,
-                "gate_up": input_major(torch.cat(mlp)),
-                "down": down.t(),  # HF's own tensor, transposed view
+                "gate_up": torch.cat(mlp),
+                "down": hf[p + "mlp.down_proj.weight"].data,
             }
             self.layers.append(layer)
+            q, k, v = layer["qkv"].split([t.shape[0] for t in attn])
+            gate, up = layer["gate_up"].split([t.shape[0] for t in mlp])
             names = {
                 "input_layernorm": layer["ln1"],
-                "self_attn.o_proj": layer["o"].t(),
+                "self_attn.q_proj": q,
+                "self_attn.k_proj": k,
+                "self_attn.v_proj": v,
+                "self_attn.o_proj": layer["o"],
                 "post_attention_layernorm": layer["ln2"],
-                "mlp.down_proj": down,
+                "mlp.gate_proj": gate,
+                "mlp.up_proj": up,
+                "mlp.down_proj": layer["down"],
             }
-            names.update(_columns(layer["qkv"], [f"self_attn.{n}_proj" for n in "qkv"], attn))
-            names.update(_columns(layer["gate_up"], ["mlp.gate_proj", "mlp.up_proj"], mlp))
             self._views.update({f"{p}{n}.weight": t for n, t in names.items()})
         missing = set(hf) - set(self._views)
         assert not missing, f"weights the lean forward does not use: {sorted(missing)}"
@@ -127,9 +127,9 @@ class LeanLlama(nn.Module):
         self.packed: list[dict[str, torch.Tensor]] | None = None
         """Per layer, prepacked copies of the matmul weights (None: no oneDNN fp32 here)."""
         self.packed_head: torch.Tensor | None = None
-        self.head_columns: torch.Tensor
-        """The LM head input-major, for one-row steps (see `machine.input_major`)."""
         self.repack()
+        if self.embed.device.type == "cpu":
+            gemv_kernel()  # built or loaded now, not at the first one-row step
         self.cache = SlotCache(
             config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_rows, positions, dtype
         )
@@ -139,13 +139,12 @@ class LeanLlama(nn.Module):
         return dict(self._views)
 
     def repack(self) -> None:
-        """(Re)build the derived weights from the plain ones (after they were written)."""
-        self.head_columns = input_major(self.lm_head)
+        """(Re)build the prepacked weights from the plain ones (after they were written)."""
         if self.packed is None and not _prepacks(self.lm_head.dtype):
             return
         self.packed = [
             {
-                name: onednn_prepack(layer[name].t(), PACK_ROWS)
+                name: onednn_prepack(layer[name], PACK_ROWS)
                 for name in ("qkv", "o", "gate_up", "down")
             }
             for layer in self.layers
@@ -173,11 +172,8 @@ class LeanLlama(nn.Module):
             gate, up = _matmul(self._norm(x, layer["ln2"]), w["gate_up"]).chunk(2, dim=-1)
             x = _matmul(F.silu(gate).mul_(up), w["down"], x)
         x = self._norm(x[step.logits_at] if step.logits_at is not None else x, self.norm)
-        if len(x) == 1:  # fastest over the input-major copy (see _matmul)
-            return _matmul(x, self.head_columns).float()
-        if self.packed_head is None:
-            return F.linear(x, self.lm_head).float()
-        return _matmul(x, self.packed_head).float()
+        head = self.packed_head if len(x) > 1 and self.packed_head is not None else self.lm_head
+        return _matmul(x, head).float()
 
     def _attention(
         self,
@@ -537,17 +533,6 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return min(len(a), len(b))
 
 
-def _columns(
-    buffer: torch.Tensor, names: list[str], parts: list[torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """[out, in] views of an [in, out] `buffer`, one per column block it was built from."""
-    out, start = {}, 0
-    for name, part in zip(names, parts, strict=True):
-        out[name] = buffer[:, start : start + part.shape[0]].t()
-        start += part.shape[0]
-    return out
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] with
     sin's first half negated, so rotate_half(x) * sin == roll(x, half) * signed sin."""
@@ -575,12 +560,9 @@ def _prepacks(dtype: torch.dtype) -> bool:
 def _matmul(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ W (+ residual) for a plain [in, out] `weight` (the residual updated in place) or a
-    prepacked [out, in] one."""
+    """x @ W.T (+ residual, updated in place) for a plain or prepacked [out, in] weight."""
     if weight.is_mkldnn:
         return onednn_linear(x, weight, residual)
-    threads = torch.get_num_threads()
-    if len(x) == 1 and x.dtype == torch.float32 and threads > 1:
-        out = split_gemv(x, weight, threads)
-        return out if residual is None else residual.add_(out)
-    return torch.mm(x, weight) if residual is None else residual.addmm_(x, weight)
+    if len(x) == 1:
+        return gemv(x, weight, residual)
+    return F.linear(x, weight) if residual is None else residual.addmm_(x, weight.t())
