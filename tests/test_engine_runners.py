@@ -114,7 +114,7 @@ def test_one_row_matmul_is_the_matmul(monkeypatch, dtype, kernel, threads, shape
     """`machine.gemv` (the compiled kernel, or without it `split_gemv` and torch's linear) is
     x @ W.T for one row and an [out, in] weight, adding into the residual in place."""
     if kernel == "fallback":
-        monkeypatch.setattr(machine, "gemv_kernel", lambda: None)
+        monkeypatch.setattr(machine, "cpu_kernels", lambda: None)
     torch.manual_seed(0)
     weight, x, residual = torch.randn(shape), torch.randn(1, shape[1]), torch.randn(1, shape[0])
     expected = x.to(dtype).float() @ weight.to(dtype).float().T
@@ -138,10 +138,44 @@ def test_one_row_matmul_is_the_matmul(monkeypatch, dtype, kernel, threads, shape
 @pytest.mark.skipif(
     sys.platform != "linux" or not shutil.which("c++"), reason="needs a C++ compiler and OpenMP"
 )
-def test_one_row_kernel_builds_here():
-    """Where a compiler is, the engine's one-row steps run the compiled kernel, not a fallback
-    that is 1.5x slower (a broken build only warns: this makes it fail)."""
-    assert machine.gemv_kernel() is not None
+def test_cpu_kernels_build_here():
+    """Where a compiler is, the engine runs its compiled kernels, not the slower torch ops
+    (a broken build only warns: this makes it fail)."""
+    assert machine.cpu_kernels() is not None
+
+
+@pytest.mark.skipif(machine.cpu_kernels() is None, reason="no compiled CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (7, 4, 4, 128), (3, 6, 2, 24)]
+)
+def test_decode_attention_kernel_is_the_torch_ops(dtype, rows, heads, kv_heads, dim):
+    """The compiled decode attention gives the torch ops' output: GQA groups, rows of
+    different lengths over a cache holding other values past them. (The engine tests compare
+    whole forwards, kernels on, with transformers.)"""
+    torch.manual_seed(0)
+    model = _llama.LeanLlama.__new__(_llama.LeanLlama)
+    torch.nn.Module.__init__(model)
+    model.num_heads, model.num_kv_heads, model.head_dim, model.scale = (
+        heads,
+        kv_heads,
+        dim,
+        dim**-0.5,
+    )
+    model.cache = _llama.SlotCache(1, kv_heads, dim, 8, 512, dtype)
+    model.cache.reserve(rows, 40)
+    model.cache.kv.normal_()
+    positions = torch.randint(0, 39, (rows,)).tolist()
+    step = _llama.Step.decoding(list(range(rows)), positions, kv_heads, dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(dtype)
+    ones = torch.ones(rows, 1, dim, dtype=dtype)
+    window = model.cache.window(rows, step.width)
+    outs = []
+    for kernels in (machine.cpu_kernels(), None):
+        model.kernels = kernels
+        outs.append(model._attention(0, qkv, ones, 0 * ones, step, None, window).float())
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(outs[0], outs[1], **tol)
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ INDIRECT = {
     "gguf": "transformers reads the embedded model's GGUF file with it",
     "accelerate": "transformers needs it to load the GGUF model",
     "tokenizers": "the fast tokenizer behind transformers' AutoTokenizer",
-    "ninja": "torch.utils.cpp_extension builds the engine's one-row matmul (gateway/gemv.cpp)",
+    "ninja": "torch.utils.cpp_extension builds the engine's CPU kernels (gateway/cpu_kernels.cpp)",
 }
 """Base dependencies no module imports by name, and why they are needed anyway."""
 NOT_IN_MAIN_JOB = {"envs.rgym"}

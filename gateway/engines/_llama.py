@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gateway.machine import gemv, gemv_kernel, onednn_linear, onednn_prepack
+from gateway.machine import cpu_kernels, gemv, onednn_linear, onednn_prepack
 
 
 def unsupported(config) -> str | None:
@@ -128,8 +128,9 @@ class LeanLlama(nn.Module):
         """Per layer, prepacked copies of the matmul weights (None: no oneDNN fp32 here)."""
         self.packed_head: torch.Tensor | None = None
         self.repack()
-        if self.embed.device.type == "cpu":
-            gemv_kernel()  # built or loaded now, not at the first one-row step
+        compiled = self.embed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.kernels = cpu_kernels() if compiled else None
+        """The compiled CPU kernels (`machine.cpu_kernels`; built or loaded now, not in a step)."""
         self.cache = SlotCache(
             config.num_hidden_layers, self.num_kv_heads, self.head_dim, max_rows, positions, dtype
         )
@@ -193,6 +194,8 @@ class LeanLlama(nn.Module):
             self.cache.write(layer, where, k, v)
         if window is not None:  # decode: one token per row, rows [0, n), over the cache
             keys, values = window[0][layer], window[1][layer]
+            if self.kernels is not None:
+                return self.kernels.decode_attention(q, keys, values, step.lengths, self.scale)
             # GQA without repeating K/V: each (row, kv head) is one small matmul over its query
             # group. Plain baddbmm/bmm: SDPA's flash kernel is slower for one query position.
             q = q.reshape(n * kv_heads, heads // kv_heads, dim)
@@ -337,6 +340,8 @@ class Step:
     """Prefill after cached prefixes: the cache row of each packed sequence."""
     width: int = 0
     """Keys attended to (decode, and prefill after cached prefixes): the longest row."""
+    lengths: torch.Tensor
+    """Decode: keys each row attends to (its position + 1)."""
     mask: torch.Tensor
     bias: torch.Tensor
     pad_index: torch.Tensor
@@ -390,6 +395,7 @@ class Step:
         step.ids = torch.tensor(tokens)
         step.positions = torch.tensor(positions)
         step.write_rows = torch.arange(len(tokens))
+        step.lengths = step.positions + 1
         step.width = max(positions) + 1
         beyond = torch.arange(step.width)[None, :] > step.positions[:, None]
         # Additive mask per (row, kv head). Positions past a row's length hold finite stale
