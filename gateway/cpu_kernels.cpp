@@ -3,11 +3,13 @@
 // loops, and says what they replace). fp32 or bf16 in and out, fp32 inside.
 //
 // gemv: one-row matmul, y = W x (+ residual, in place), W an [out, in] weight with contiguous
-// rows. Each thread of torch's pool takes a contiguous block of rows and reads it front to back,
-// one dot product at a time: one sequential stream per core.
+// rows. Each thread of torch's pool takes a contiguous block of rows (at::parallel_for hands
+// each thread one block) and reads it front to back, one dot product at a time: one sequential
+// stream per core.
 //
-// decode_attention: one query token per cache row over that row's keys and values, each
-// (row, kv head) read once for its whole query group (GQA), softmax in between.
+// decode_attention: a decode step's attention: per (row, kv head), RoPE on the token's key and
+// queries, its key and value written into the cache, then the queries of the whole group (GQA)
+// over the row's keys and values, each read once, softmax in between.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -67,7 +69,7 @@ inline float exp_nonpositive(float x) {  // Cephes' expf, vectorizable; x <= 0
 }
 
 struct Attention {
-  int64_t kv_heads, group, dim, q_row, q_head, kv_task, kv_pos;
+  int64_t heads, kv_heads, group, dim, qkv_row, cache_row, cache_head, cache_pos;
   float scale;
 };
 
@@ -83,24 +85,44 @@ float dot_fixed(const T* __restrict k, const float* __restrict q) {
   return sum;
 }
 
+template <typename T>  // rotate-half RoPE of one head, sin's first half negated (as _llama._rope)
+void rope(const T* x, const T* cos, const T* sin, int64_t d, float scale, float* out) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i)
+    out[i] = (widen(x[i]) * widen(cos[i]) + widen(x[i + half]) * widen(sin[i])) * scale;
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i)
+    out[i] = (widen(x[i]) * widen(cos[i]) + widen(x[i - half]) * widen(sin[i])) * scale;
+}
+
+// T reads the tensors (float, or bf16 as its bits), Out writes them (float, at::BFloat16).
 template <int64_t D, typename T, typename Out>  // D: head_dim if 64 or 128 (faster), else 0
-void attend(const Attention& a, const T* q, const T* k, const T* v, const int64_t* lengths,
-            Out* out, int64_t begin, int64_t end) {
+void attend(const Attention& a, const T* qkv, const T* cos, const T* sin, T* k_cache,
+            T* v_cache, const int64_t* positions, Out* out, int64_t begin, int64_t end) {
   const int64_t g = a.group, d = D ? D : a.dim;
-  std::vector<float> query(g * d), acc(g * d), weights;
+  std::vector<float> query(g * d), acc(g * d), key(d), weights;
   for (int64_t task = begin; task < end; ++task) {  // task = row * kv_heads + kv head
-    const int64_t row = task / a.kv_heads, head = task % a.kv_heads * g, n = lengths[row];
-    const T* keys = k + task * a.kv_task;
-    const T* values = v + task * a.kv_task;
-    for (int64_t j = 0; j < g; ++j) {
-      const T* qj = q + row * a.q_row + (head + j) * a.q_head;
-      for (int64_t i = 0; i < d; ++i) query[j * d + i] = widen(qj[i]) * a.scale;
+    const int64_t row = task / a.kv_heads, kv = task % a.kv_heads, head = kv * g;
+    const int64_t n = positions[row] + 1;
+    const T *x = qkv + row * a.qkv_row, *c = cos + row * d, *s = sin + row * d;
+    T* keys = k_cache + row * a.cache_row + kv * a.cache_head;
+    T* values = v_cache + row * a.cache_row + kv * a.cache_head;
+    // This token's key (rotated) and value, into the cache at its position.
+    rope(x + (a.heads + kv) * d, c, s, d, 1.0f, key.data());
+    Out* k_out = reinterpret_cast<Out*>(keys + (n - 1) * a.cache_pos);
+    Out* v_out = reinterpret_cast<Out*>(values + (n - 1) * a.cache_pos);
+    const T* v_new = x + (a.heads + a.kv_heads + kv) * d;
+    for (int64_t i = 0; i < d; ++i) {
+      k_out[i] = static_cast<Out>(key[i]);
+      v_out[i] = static_cast<Out>(widen(v_new[i]));
     }
+    for (int64_t j = 0; j < g; ++j) rope(x + (head + j) * d, c, s, d, a.scale, &query[j * d]);
     weights.resize(g * n);
     for (int64_t p = 0; p < n; ++p)
       for (int64_t j = 0; j < g; ++j)
-        weights[j * n + p] = D ? dot_fixed<D>(keys + p * a.kv_pos, &query[j * d])
-                               : dot(keys + p * a.kv_pos, &query[j * d], d);
+        weights[j * n + p] = D ? dot_fixed<D>(keys + p * a.cache_pos, &query[j * d])
+                               : dot(keys + p * a.cache_pos, &query[j * d], d);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < g; ++j) {
       float* w = &weights[j * n];
@@ -114,7 +136,7 @@ void attend(const Attention& a, const T* q, const T* k, const T* v, const int64_
       for (int64_t p = 0; p < n; ++p) w[p] *= inv;
     }
     for (int64_t p = 0; p < n; ++p) {
-      const T* vp = values + p * a.kv_pos;
+      const T* vp = values + p * a.cache_pos;
       for (int64_t j = 0; j < g; ++j) {
         const float w = weights[j * n + p];
         float* o = &acc[j * d];
@@ -122,57 +144,70 @@ void attend(const Attention& a, const T* q, const T* k, const T* v, const int64_
         for (int64_t i = 0; i < d; ++i) o[i] += w * widen(vp[i]);
       }
     }
-    Out* o = out + row * (a.kv_heads * g * d) + head * d;
+    Out* o = out + row * (a.heads * d) + head * d;
     for (int64_t i = 0; i < g * d; ++i) o[i] = static_cast<Out>(acc[i]);
   }
 }
 
 template <typename T, typename Out>
-void run_attention(const Attention& a, const T* q, const T* k, const T* v, const int64_t* lengths,
-                   Out* out, int64_t begin, int64_t end) {
+void run_attention(const Attention& a, const T* qkv, const T* cos, const T* sin, T* k_cache,
+                   T* v_cache, const int64_t* positions, Out* out, int64_t begin, int64_t end) {
   if (a.dim == 64)
-    attend<64>(a, q, k, v, lengths, out, begin, end);
+    attend<64>(a, qkv, cos, sin, k_cache, v_cache, positions, out, begin, end);
   else if (a.dim == 128)
-    attend<128>(a, q, k, v, lengths, out, begin, end);
+    attend<128>(a, qkv, cos, sin, k_cache, v_cache, positions, out, begin, end);
   else
-    attend<0>(a, q, k, v, lengths, out, begin, end);
+    attend<0>(a, qkv, cos, sin, k_cache, v_cache, positions, out, begin, end);
 }
 
 template <typename T>
-const T* raw(const torch::Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
+T* raw(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor lengths, double scale) {
-  // q [rows, heads, dim]; k, v [rows * kv_heads, width, dim]; lengths [rows] (int64): keys
-  // [0, lengths[r]) of row r are attended to. Returns [rows, heads * dim].
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q, k, v are 3-d");
-  TORCH_CHECK(k.strides() == v.strides() && k.sizes() == v.sizes(), "decode_attention: k, v alike");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "decode_attention: contiguous head_dim");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "decode_attention: one dtype");
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  TORCH_CHECK(k.size(0) % rows == 0 && heads % (k.size(0) / rows) == 0 && k.size(2) == dim,
-              "decode_attention: shapes");
-  auto lens = lengths.to(torch::kLong).contiguous();
-  TORCH_CHECK(lens.numel() == rows && lens.max().item<int64_t>() <= k.size(1) &&
-                  lens.min().item<int64_t>() >= 1,
-              "decode_attention: every length in [1, width]");
-  const int64_t kv_heads = k.size(0) / rows;
-  const Attention a{kv_heads, heads / kv_heads, dim, q.stride(0), q.stride(1), k.stride(0),
-                    k.stride(1), static_cast<float>(scale)};
-  auto out = torch::empty({rows, heads * dim}, q.options());
-  const int64_t* L = lens.data_ptr<int64_t>();
-  const bool fp32 = q.scalar_type() == torch::kFloat;
-  TORCH_CHECK(fp32 || q.scalar_type() == torch::kBFloat16, "decode_attention: fp32 or bf16 only");
+torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                               torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor positions, int64_t heads, double scale) {
+  // qkv [rows, (heads + 2 kv_heads) * dim]: one token per row, its q, k and v heads in that
+  // order; cos, sin [rows, 1, dim] at each token's position; k_cache, v_cache [cache rows,
+  // kv_heads, capacity, dim]; positions [rows] int64. Row r's key (RoPE'd) and value are
+  // written at its position in cache row r, then its queries attend over positions [0, it].
+  // Returns [rows, heads * dim].
+  const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(3);
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
+              "decode_attention: float32 or bfloat16 only");
+  for (const auto& t : {cos, sin, k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == dtype, "decode_attention: one dtype for every tensor");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_heads > 0 && heads % kv_heads == 0 &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "decode_attention: qkv must be [rows, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * dim &&
+                  sin.numel() == rows * dim,
+              "decode_attention: cos, sin must be [rows, 1, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
+                  k_cache.size(0) >= rows,
+              "decode_attention: k_cache, v_cache alike, [cache rows, kv_heads, capacity, dim]");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+                  positions.numel() == rows,
+              "decode_attention: positions must be [rows] int64");
+  const int64_t* P = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(P[r] >= 0 && P[r] < k_cache.size(2), "decode_attention: position past capacity");
+  const Attention a{heads,           kv_heads,          heads / kv_heads,
+                    dim,             qkv.size(1),       k_cache.stride(0),
+                    k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
+  auto out = torch::empty({rows, heads * dim}, qkv.options());
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t b, int64_t e) {
-    if (fp32)
-      run_attention(a, raw<float>(q), raw<float>(k), raw<float>(v), L, out.data_ptr<float>(), b, e);
+    if (dtype == torch::kFloat)
+      run_attention(a, raw<float>(qkv), raw<float>(cos), raw<float>(sin), raw<float>(k_cache),
+                    raw<float>(v_cache), P, out.data_ptr<float>(), b, e);
     else
-      run_attention(a, raw<uint16_t>(q), raw<uint16_t>(k), raw<uint16_t>(v), L,
+      run_attention(a, raw<uint16_t>(qkv), raw<uint16_t>(cos), raw<uint16_t>(sin),
+                    raw<uint16_t>(k_cache), raw<uint16_t>(v_cache), P,
                     out.data_ptr<at::BFloat16>(), b, e);
   });
   return out;
@@ -188,20 +223,18 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor
   torch::Tensor y = residual ? *residual : torch::empty({1, n_out}, x.options());
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous() && y.numel() == n_out,
               "gemv: residual must be a contiguous [1, out] of x's dtype");
-  const int64_t grain = std::max<int64_t>(1, (n_out + at::get_num_threads() - 1) /
-                                                 std::max(1, at::get_num_threads()));
   if (x.scalar_type() == torch::kFloat) {
     const float *W = w.data_ptr<float>(), *X = x.data_ptr<float>();
     float* Y = y.data_ptr<float>();
     const float* R = residual ? Y : nullptr;
-    at::parallel_for(0, n_out, grain, [&](int64_t b, int64_t e) { rows(W, X, Y, R, n_in, b, e); });
+    at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) { rows(W, X, Y, R, n_in, b, e); });
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "gemv: float32 or bfloat16 only");
     auto W = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     auto X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     at::BFloat16* Y = y.data_ptr<at::BFloat16>();
     const at::BFloat16* R = residual ? Y : nullptr;
-    at::parallel_for(0, n_out, grain, [&](int64_t b, int64_t e) { rows(W, X, Y, R, n_in, b, e); });
+    at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) { rows(W, X, Y, R, n_in, b, e); });
   }
   return y;
 }

@@ -150,9 +150,9 @@ def test_cpu_kernels_build_here():
     ("rows", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (7, 4, 4, 128), (3, 6, 2, 24)]
 )
 def test_decode_attention_kernel_is_the_torch_ops(dtype, rows, heads, kv_heads, dim):
-    """The compiled decode attention gives the torch ops' output: GQA groups, rows of
-    different lengths over a cache holding other values past them. (The engine tests compare
-    whole forwards, kernels on, with transformers.)"""
+    """The compiled decode attention (RoPE, cache write, attention) gives the torch ops' output
+    and cache: GQA groups, rows at different positions over a cache holding other values past
+    them. (The engine tests compare whole forwards, kernels on, with transformers.)"""
     torch.manual_seed(0)
     model = _llama.LeanLlama.__new__(_llama.LeanLlama)
     torch.nn.Module.__init__(model)
@@ -162,19 +162,22 @@ def test_decode_attention_kernel_is_the_torch_ops(dtype, rows, heads, kv_heads, 
         dim,
         dim**-0.5,
     )
-    model.cache = _llama.SlotCache(1, kv_heads, dim, 8, 512, dtype)
-    model.cache.reserve(rows, 40)
-    model.cache.kv.normal_()
     positions = torch.randint(0, 39, (rows,)).tolist()
     step = _llama.Step.decoding(list(range(rows)), positions, kv_heads, dtype)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(dtype)
-    ones = torch.ones(rows, 1, dim, dtype=dtype)
-    window = model.cache.window(rows, step.width)
-    outs = []
+    cos, sin = torch.randn(2, rows, 1, dim).to(dtype)
+    cache = torch.randn(1, 2, 8, kv_heads, 64, dim).to(dtype)
+    outs, caches = [], []
     for kernels in (machine.cpu_kernels(), None):
         model.kernels = kernels
-        outs.append(model._attention(0, qkv, ones, 0 * ones, step, None, window).float())
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+        model.cache = _llama.SlotCache(1, kv_heads, dim, 8, 512, dtype)
+        model.cache._use(cache.clone())
+        where = None if kernels else model.cache.index(step.write_rows, step.positions)
+        window = None if kernels else model.cache.window(rows, step.width)
+        outs.append(model._attention(0, qkv, cos, sin, step, where, window).float())
+        caches.append(model.cache.kv.float())
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(caches[0], caches[1], **tol)
     torch.testing.assert_close(outs[0], outs[1], **tol)
 
 

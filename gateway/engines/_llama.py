@@ -161,10 +161,13 @@ class LeanLlama(nn.Module):
         per step, not per layer: at batch 1 the step is ~30% dispatch."""
         x = self.embed[step.ids]
         cos, sin = self.cos[step.positions, None], self.sin[step.positions, None]
-        where = (
-            None if step.write_rows is None else self.cache.index(step.write_rows, step.positions)
+        compiled = step.decode and self.kernels is not None  # see _attention
+        where = None
+        if step.write_rows is not None and not compiled:
+            where = self.cache.index(step.write_rows, step.positions)
+        window = (
+            self.cache.window(len(step.ids), step.width) if step.decode and not compiled else None
         )
-        window = self.cache.window(len(step.ids), step.width) if step.decode else None
         packed = self.packed if len(step.ids) > 1 else None  # one row: see _matmul
         for i, layer in enumerate(self.layers):
             w = packed[i] if packed else layer
@@ -187,6 +190,11 @@ class LeanLlama(nn.Module):
         window: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
     ) -> torch.Tensor:
         n, heads, kv_heads, dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if step.decode and self.kernels is not None:  # RoPE, cache write, attention: one call
+            keys, values = self.cache.layer(layer)
+            return self.kernels.decode_attention(
+                qkv, cos, sin, keys, values, step.positions, heads, self.scale
+            )
         qkv = qkv.view(n, heads + 2 * kv_heads, dim)
         qk = _rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k heads in one go
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
@@ -194,8 +202,6 @@ class LeanLlama(nn.Module):
             self.cache.write(layer, where, k, v)
         if window is not None:  # decode: one token per row, rows [0, n), over the cache
             keys, values = window[0][layer], window[1][layer]
-            if self.kernels is not None:
-                return self.kernels.decode_attention(q, keys, values, step.lengths, self.scale)
             # GQA without repeating K/V: each (row, kv head) is one small matmul over its query
             # group. Plain baddbmm/bmm: SDPA's flash kernel is slower for one query position.
             q = q.reshape(n * kv_heads, heads // kv_heads, dim)
@@ -340,8 +346,6 @@ class Step:
     """Prefill after cached prefixes: the cache row of each packed sequence."""
     width: int = 0
     """Keys attended to (decode, and prefill after cached prefixes): the longest row."""
-    lengths: torch.Tensor
-    """Decode: keys each row attends to (its position + 1)."""
     mask: torch.Tensor
     bias: torch.Tensor
     pad_index: torch.Tensor
@@ -395,7 +399,6 @@ class Step:
         step.ids = torch.tensor(tokens)
         step.positions = torch.tensor(positions)
         step.write_rows = torch.arange(len(tokens))
-        step.lengths = step.positions + 1
         step.width = max(positions) + 1
         beyond = torch.arange(step.width)[None, :] > step.positions[:, None]
         # Additive mask per (row, kv head). Positions past a row's length hold finite stale
@@ -454,6 +457,10 @@ class SlotCache:
         """k, v: [tokens, kv_heads, head_dim], at `index` (from `index`)."""
         self._keys[layer].index_put_(index, k)
         self._values[layer].index_put_(index, v)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values, `[rows, kv_heads, capacity, head_dim]` views."""
+        return self._keys[layer], self._values[layer]
 
     def window(self, n: int, width: int) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
         """Per layer, keys and values of rows [0, n), positions [0, width), as
