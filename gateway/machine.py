@@ -384,8 +384,9 @@ def cpu_kernels() -> Any:
     EPYC: MKL's GEMV runs on one thread, and its batched GEMM split over the threads
     (`split_gemv`) reads the layers' weights at ~27 GB/s where the cores read the same weights
     at ~40 (a sum over them); `gemv` reads them at the sum's rate (1.5x `split_gemv` in fp32,
-    ~2.5x torch's bf16 GEMV). `decode_attention` does a 32-row decode step's attention in
-    0.65x the time of torch's baddbmm, softmax and bmm."""
+    ~2.5x torch's bf16 GEMV). `decode_attention` does a decode step's RoPE, cache write and
+    attention in one call a layer (the attention alone in 0.65x the time of torch's baddbmm,
+    softmax and bmm at 32 rows)."""
     from torch.utils import cpp_extension
 
     cpu = platform.machine() + _cpu_flags() + torch.__version__ + KERNELS_SOURCE.read_text()

@@ -19,7 +19,9 @@ per step, three projections where one would do). This module runs the same maths
 - a slot KV cache: one tensor `[layers, 2 (k/v), rows, kv_heads, capacity, head_dim]`. Row i
   holds one sequence from position 0, never padded on the left: a decode step writes one
   position per row in place and attends over the prefix `[:max length]` of rows `[:batch]`
-  (a view), masking each row beyond its own length. Rows stay packed at the front: when rows
+  (a view), masking each row beyond its own length; on CPU in fp32 or bf16 the compiled
+  `decode_attention` does a layer's RoPE, cache write and attention in one call, each row over
+  its own length. Rows stay packed at the front: when rows
   leave, rows from the end move into the holes (one copy of their cache each). Capacity grows by
   doubling (rows and positions), so an append never reallocates on the hot path;
 - prefill packs the newcomers' tokens without padding for the matmuls and pads only inside
