@@ -380,7 +380,9 @@ def cpu_kernels() -> Any:
     for this CPU on first use (~25 s on 2 cores; torch caches the build under
     TORCH_EXTENSIONS_DIR, `make setup` does it once), `gemv` checked against torch's linear;
     None, with a warning saying why, where they cannot be built (no C++ compiler or OpenMP,
-    e.g. macOS's clang) or are wrong: callers then run torch's ops. Measured on a 2-core Zen 4
+    e.g. macOS's clang) or are wrong: callers then run torch's ops. `ATEN_CPU_CAPABILITY=avx2`
+    (or `default`) builds them without AVX-512 (and AVX2), as torch's kernels run then.
+    Measured on a 2-core Zen 4
     EPYC: MKL's GEMV runs on one thread, and its batched GEMM split over the threads
     (`split_gemv`) reads the layers' weights at ~27 GB/s where the cores read the same weights
     at ~40 (a sum over them); `gemv` reads them at the sum's rate (1.5x `split_gemv` in fp32,
@@ -389,14 +391,22 @@ def cpu_kernels() -> Any:
     softmax and bmm at 32 rows)."""
     from torch.utils import cpp_extension
 
-    cpu = platform.machine() + _cpu_flags() + torch.__version__ + KERNELS_SOURCE.read_text()
-    name = "loongsage_kernels_" + hashlib.sha1(cpu.encode()).hexdigest()[:12]
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    # Restricted as torch's own kernels are (ATEN_CPU_CAPABILITY), e.g. to measure an AVX2 CPU.
+    flags += {"avx2": ["-mno-avx512f"], "default": ["-mno-avx2", "-mno-avx512f"]}.get(
+        os.environ.get("ATEN_CPU_CAPABILITY", "").lower(), []
+    )
+    build = [
+        platform.machine(),
+        _cpu_flags(),
+        torch.__version__,
+        *flags,
+        KERNELS_SOURCE.read_text(),
+    ]
+    name = "loongsage_kernels_" + hashlib.sha1("\n".join(build).encode()).hexdigest()[:12]
     try:
         module = cpp_extension.load(
-            name,
-            [str(KERNELS_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            name, [str(KERNELS_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
         )
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
             x, w, r = torch.randn(1, 67), torch.randn(9, 67), torch.randn(1, 9)
