@@ -5,7 +5,9 @@
 // gemv: one-row matmul, y = W x (+ residual, in place), W an [out, in] weight with contiguous
 // rows. Each thread of torch's pool takes a contiguous block of rows (at::parallel_for hands
 // each thread one block) and reads it front to back, one dot product at a time: one sequential
-// stream per core.
+// stream per core. x may first go through the op before the matmul in a Llama layer, as
+// transformers computes it (rounded as it rounds in bf16): RMSNorm with a weight, or SwiGLU
+// (x = gate | up -> silu(gate) * up).
 //
 // decode_attention: a decode step's attention: per (row, kv head), RoPE on the token's key and
 // queries, its key and value written into the cache, then the queries of the whole group (GQA)
@@ -13,7 +15,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,7 +47,7 @@ float dot(const T* __restrict w, const U* __restrict x, int64_t n) {
 }
 
 template <typename T, typename Out>
-void rows(const T* w, const T* x, Out* y, const Out* residual, int64_t n_in, int64_t begin,
+void rows(const T* w, const float* x, Out* y, const Out* residual, int64_t n_in, int64_t begin,
           int64_t end) {
   for (int64_t o = begin; o < end; ++o) {
     float v = dot(w + o * n_in, x, n_in);
@@ -165,6 +169,35 @@ T* raw(const torch::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+template <typename T>
+float as_stored(float v) {  // v rounded to T, as torch stores an intermediate
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return static_cast<float>(at::BFloat16(v));
+}
+
+// gemv's input in fp32: x, RMSNorm(x) * norm, or silu(gate) * up for x = gate | up.
+template <typename T>
+std::vector<float> gemv_input(const T* x, int64_t n, const T* norm, double eps, bool glu) {
+  std::vector<float> in(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = widen(x[i]);
+    if (glu) {
+      const float silu = as_stored<T>(v / (1.0f + std::exp(-v)));
+      in[i] = as_stored<T>(silu * widen(x[n + i]));
+    } else {
+      in[i] = v;
+    }
+  }
+  if (norm) {
+    double squares = 0;
+    for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(in[i]) * in[i];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(squares / n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i)
+      in[i] = as_stored<T>(widen(norm[i]) * as_stored<T>(in[i] * inv));
+  }
+  return in;
+}
+
 }  // namespace
 
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
@@ -213,33 +246,72 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   return out;
 }
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "gemv: x must be [1, in]");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1),
-              "gemv: w must be [out, in] with contiguous rows");
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "gemv: x and w must have one dtype");
-  const int64_t n_out = w.size(0), n_in = w.size(1), stride = w.stride(0);
-  TORCH_CHECK(stride == n_in, "gemv: w's rows must be adjacent");
+// Checks x ([rows, in], or [rows, 2 in] with glu) and norm ([in]) for the ops before a matmul.
+void check_input(const torch::Tensor& x, int64_t n_in, const std::optional<torch::Tensor>& norm,
+                 bool glu, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == (glu ? 2 : 1) * n_in, op,
+              ": x must be a contiguous [rows, in] ([rows, 2 in] with glu)");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, op, ": float32 or bfloat16");
+  TORCH_CHECK(!norm || (norm->scalar_type() == dtype && norm->is_contiguous() &&
+                        norm->numel() == n_in),
+              op, ": norm must be a contiguous [in] of x's dtype");
+}
+
+torch::Tensor layer_input(torch::Tensor x, std::optional<torch::Tensor> norm, double eps,
+                          bool glu) {
+  // x [rows, in] (with glu [rows, 2 in]) -> [rows, in]: what gemv multiplies, for a matmul of
+  // many rows (torch's RMSNorm and SwiGLU take several ops, each waking the threads).
+  const int64_t n_rows = x.size(0), n_in = glu ? x.size(1) / 2 : x.size(1);
+  check_input(x, n_in, norm, glu, "layer_input");
+  auto out = torch::empty({n_rows, n_in}, x.options());
+  auto run = [&](auto* X, auto* N, auto* Y) {
+    at::parallel_for(0, n_rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const auto in = gemv_input(X + r * x.size(1), n_in, N, eps, glu);
+        for (int64_t i = 0; i < n_in; ++i) Y[r * n_in + i] = in[i];
+      }
+    });
+  };
+  if (x.scalar_type() == torch::kFloat)
+    run(raw<float>(x), norm ? raw<float>(*norm) : nullptr, raw<float>(out));
+  else
+    run(raw<uint16_t>(x), norm ? raw<uint16_t>(*norm) : nullptr, raw<at::BFloat16>(out));
+  return out;
+}
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> residual,
+                   std::optional<torch::Tensor> norm, double eps, bool glu) {
+  // x [1, in] (with glu [1, 2 in]); w [out, in]; residual [1, out], added to in place;
+  // norm [in]: x is RMS-normed and scaled by it first.
+  const int64_t n_out = w.size(0), n_in = w.size(1);
+  check_input(x, n_in, norm, glu, "gemv");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.size(0) == 1, "gemv: x must be one row");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == dtype,
+              "gemv: w must be a contiguous [out, in] of x's dtype");
   torch::Tensor y = residual ? *residual : torch::empty({1, n_out}, x.options());
-  TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous() && y.numel() == n_out,
+  TORCH_CHECK(y.scalar_type() == dtype && y.is_contiguous() && y.numel() == n_out,
               "gemv: residual must be a contiguous [1, out] of x's dtype");
-  if (x.scalar_type() == torch::kFloat) {
-    const float *W = w.data_ptr<float>(), *X = x.data_ptr<float>();
-    float* Y = y.data_ptr<float>();
-    const float* R = residual ? Y : nullptr;
-    at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) { rows(W, X, Y, R, n_in, b, e); });
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "gemv: float32 or bfloat16 only");
-    auto W = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    auto X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    at::BFloat16* Y = y.data_ptr<at::BFloat16>();
-    const at::BFloat16* R = residual ? Y : nullptr;
-    at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) { rows(W, X, Y, R, n_in, b, e); });
-  }
+  auto run = [&](auto* X, auto* N, auto* W, auto* Y) {
+    const auto in = gemv_input(X, n_in, N, eps, glu);
+    const auto* R = residual ? Y : nullptr;
+    at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) {
+      rows(W, in.data(), Y, R, n_in, b, e);
+    });
+  };
+  if (dtype == torch::kFloat)
+    run(raw<float>(x), norm ? raw<float>(*norm) : nullptr, raw<float>(w), raw<float>(y));
+  else
+    run(raw<uint16_t>(x), norm ? raw<uint16_t>(*norm) : nullptr, raw<uint16_t>(w),
+        raw<at::BFloat16>(y));
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv);
+  m.def("gemv", &gemv, py::arg("x"), py::arg("w"), py::arg("residual") = py::none(),
+        py::arg("norm") = py::none(), py::arg("eps") = 0.0, py::arg("glu") = false);
+  m.def("layer_input", &layer_input, py::arg("x"), py::arg("norm") = py::none(),
+        py::arg("eps") = 0.0, py::arg("glu") = false);
   m.def("decode_attention", &decode_attention);
 }

@@ -181,6 +181,33 @@ def test_decode_attention_kernel_is_the_torch_ops(dtype, rows, heads, kv_heads, 
     torch.testing.assert_close(outs[0], outs[1], **tol)
 
 
+@pytest.mark.skipif(machine.cpu_kernels() is None, reason="no compiled CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("before", ["norm", "glu", "none"])
+def test_the_ops_before_a_matmul_are_the_torch_ops(dtype, rows, before):
+    """A layer's matmuls with the compiled kernels (one row: `gemv` with the RMSNorm or SwiGLU
+    inside; more rows: `layer_input`, then the matmul) give the torch ops' result, rounded as
+    transformers rounds in bf16, the residual added in place."""
+    torch.manual_seed(0)
+    model = _llama.LeanLlama.__new__(_llama.LeanLlama)
+    torch.nn.Module.__init__(model)
+    model.eps = 1e-5
+    n_in, n_out = 48, 33
+    x = (torch.randn(rows, 2 * n_in if before == "glu" else n_in) * 3).to(dtype)
+    weight, norm = torch.randn(n_out, n_in).to(dtype), torch.randn(n_in).to(dtype)
+    residual = torch.randn(rows, n_out).to(dtype)
+    kwargs = {"norm": norm} if before == "norm" else {"glu": True} if before == "glu" else {}
+    outs = []
+    for kernels in (machine.cpu_kernels(), None):
+        model.kernels = kernels
+        added = residual.clone()
+        assert model._linear(x, weight, added, **kwargs) is added
+        outs.append((model._linear(x, weight, **kwargs).float(), added.float()))
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+
+
 @pytest.mark.parametrize(
     ("model", "forward", "expect"),
     [

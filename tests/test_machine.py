@@ -117,3 +117,18 @@ def test_core_board_counts_the_idle_cores_of_the_others():
     finally:
         board.close()
     assert not os.path.exists(board.path)
+
+
+def test_huge_page_zeros_are_zeros_that_outlive_their_mapping():
+    """`huge_page_zeros`: a writable zero tensor of the shape and dtype asked for, 2 MB-aligned
+    when it spans huge pages; the mapping lives as long as any view of it."""
+    big = machine.huge_page_zeros((3, machine.HUGE_PAGE // 4 + 5), torch.float32)
+    assert big.shape == (3, machine.HUGE_PAGE // 4 + 5) and big.dtype == torch.float32
+    assert big.is_contiguous() and not big.any()
+    assert big.data_ptr() % machine.HUGE_PAGE == 0
+    row = big[2]
+    del big
+    row.fill_(1.5)
+    assert row.sum().item() == 1.5 * row.numel()
+    small = machine.huge_page_zeros((4, 5), torch.bfloat16)
+    assert small.shape == (4, 5) and small.dtype == torch.bfloat16 and not small.any()
