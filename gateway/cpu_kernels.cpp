@@ -57,7 +57,7 @@ void rows(const T* w, const float* x, Out* y, const Out* residual, int64_t n_in,
 
 inline float exp_nonpositive(float x) {  // Cephes' expf, vectorizable; x <= 0
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round (floor: no SIMD)
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -66,10 +66,7 @@ inline float exp_nonpositive(float x) {  // Cephes' expf, vectorizable; x <= 0
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);  // p * 2^n
 }
 
 struct Attention {
@@ -175,27 +172,30 @@ float as_stored(float v) {  // v rounded to T, as torch stores an intermediate
   else return static_cast<float>(at::BFloat16(v));
 }
 
-// gemv's input in fp32: x, RMSNorm(x) * norm, or silu(gate) * up for x = gate | up.
+// gemv's input in fp32, into `in` [n]: x, RMSNorm(x) * norm, or silu(gate) * up for x = gate |
+// up. Vectorizable: silu(g) = g / (1 + e^-g), e^-|g| from exp_nonpositive.
 template <typename T>
-std::vector<float> gemv_input(const T* x, int64_t n, const T* norm, double eps, bool glu) {
-  std::vector<float> in(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = widen(x[i]);
-    if (glu) {
-      const float silu = as_stored<T>(v / (1.0f + std::exp(-v)));
+void gemv_input(const T* x, int64_t n, const T* norm, float eps, bool glu, float* in) {
+  if (glu) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = widen(x[i]), e = exp_nonpositive(-std::abs(g));
+      const float silu = as_stored<T>(g * ((g >= 0 ? 1.0f : e) / (1.0f + e)));
       in[i] = as_stored<T>(silu * widen(x[n + i]));
-    } else {
-      in[i] = v;
     }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) in[i] = widen(x[i]);
   }
   if (norm) {
-    double squares = 0;
-    for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(in[i]) * in[i];
-    const float inv = 1.0f / std::sqrt(static_cast<float>(squares / n) + static_cast<float>(eps));
+    float squares = 0;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; ++i) squares += in[i] * in[i];
+    const float inv = 1.0f / std::sqrt(squares / n + eps);
+#pragma omp simd
     for (int64_t i = 0; i < n; ++i)
       in[i] = as_stored<T>(widen(norm[i]) * as_stored<T>(in[i] * inv));
   }
-  return in;
 }
 
 }  // namespace
@@ -267,8 +267,9 @@ torch::Tensor layer_input(torch::Tensor x, std::optional<torch::Tensor> norm, do
   auto out = torch::empty({n_rows, n_in}, x.options());
   auto run = [&](auto* X, auto* N, auto* Y) {
     at::parallel_for(0, n_rows, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> in(n_in);
       for (int64_t r = b; r < e; ++r) {
-        const auto in = gemv_input(X + r * x.size(1), n_in, N, eps, glu);
+        gemv_input(X + r * x.size(1), n_in, N, eps, glu, in.data());
         for (int64_t i = 0; i < n_in; ++i) Y[r * n_in + i] = in[i];
       }
     });
@@ -294,7 +295,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor
   TORCH_CHECK(y.scalar_type() == dtype && y.is_contiguous() && y.numel() == n_out,
               "gemv: residual must be a contiguous [1, out] of x's dtype");
   auto run = [&](auto* X, auto* N, auto* W, auto* Y) {
-    const auto in = gemv_input(X, n_in, N, eps, glu);
+    std::vector<float> in(n_in);
+    gemv_input(X, n_in, N, eps, glu, in.data());
     const auto* R = residual ? Y : nullptr;
     at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) {
       rows(W, in.data(), Y, R, n_in, b, e);

@@ -163,7 +163,7 @@ def test_decode_attention_kernel_is_the_torch_ops(dtype, rows, heads, kv_heads, 
         dim**-0.5,
     )
     positions = torch.randint(0, 39, (rows,)).tolist()
-    step = _llama.Step.decoding(list(range(rows)), positions, kv_heads, dtype)
+    step = _llama.Step.decoding(list(range(rows)), positions)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(dtype)
     cos, sin = torch.randn(2, rows, 1, dim).to(dtype)
     cache = torch.randn(1, 2, 8, kv_heads, 64, dim).to(dtype)
@@ -173,7 +173,7 @@ def test_decode_attention_kernel_is_the_torch_ops(dtype, rows, heads, kv_heads, 
         model.cache = _llama.SlotCache(1, kv_heads, dim, 8, 512, dtype)
         model.cache._use(cache.clone())
         where = None if kernels else model.cache.index(step.write_rows, step.positions)
-        window = None if kernels else model.cache.window(rows, step.width)
+        window = None if kernels else model._decode_window(step)
         outs.append(model._attention(0, qkv, cos, sin, step, where, window).float())
         caches.append(model.cache.kv.float())
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}

@@ -175,13 +175,11 @@ class LeanLlama(nn.Module):
         per step, not per layer: at batch 1 the step is ~30% dispatch."""
         x = self.embed[step.ids]
         cos, sin = self.cos[step.positions, None], self.sin[step.positions, None]
-        compiled = step.decode and self.kernels is not None  # see _attention
+        fused = self._fused_decode(step)
         where = None
-        if step.write_rows is not None and not compiled:
+        if step.write_rows is not None and not fused:
             where = self.cache.index(step.write_rows, step.positions)
-        window = (
-            self.cache.window(len(step.ids), step.width) if step.decode and not compiled else None
-        )
+        window = self._decode_window(step) if step.decode and not fused else None
         packed = self.packed if len(step.ids) > 1 else None  # one row: see _linear
         for i, layer in enumerate(self.layers):
             w = packed[i] if packed else layer
@@ -218,6 +216,19 @@ class LeanLlama(nn.Module):
             x = self._norm(x, norm)
         return _matmul(x, weight, residual)
 
+    def _fused_decode(self, step: Step) -> bool:
+        """Whether `decode_attention` does the step's RoPE, cache writes and attention."""
+        return step.decode and self.kernels is not None
+
+    def _decode_window(self, step: Step) -> tuple[Sequence[torch.Tensor], ...]:
+        """A decode step's keys and values per layer (`SlotCache.window`) and its additive
+        mask per (row, kv head), for torch's ops. Positions past a row's length hold finite
+        stale values (zeros, or an earlier owner's; rows that went non-finite are zeroed)."""
+        beyond = torch.arange(step.width)[None, :] > step.positions[:, None]
+        bias = torch.zeros(beyond.shape, dtype=self.cache.dtype).masked_fill_(beyond, -torch.inf)
+        bias = bias.repeat_interleave(self.num_kv_heads, dim=0)[:, None, :]
+        return (*self.cache.window(len(step.ids), step.width), bias)
+
     def _attention(
         self,
         layer: int,
@@ -226,10 +237,10 @@ class LeanLlama(nn.Module):
         sin: torch.Tensor,
         step: Step,
         where: tuple[torch.Tensor, ...] | None,
-        window: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
+        window: tuple[Sequence[torch.Tensor], ...] | None,
     ) -> torch.Tensor:
         n, heads, kv_heads, dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if step.decode and self.kernels is not None:  # RoPE, cache write, attention: one call
+        if self._fused_decode(step):  # RoPE, cache write, attention: one call
             keys, values = self.cache.layer(layer)
             return self.kernels.decode_attention(
                 qkv, cos, sin, keys, values, step.positions, heads, self.scale
@@ -240,11 +251,11 @@ class LeanLlama(nn.Module):
         if where is not None:
             self.cache.write(layer, where, k, v)
         if window is not None:  # decode: one token per row, rows [0, n), over the cache
-            keys, values = window[0][layer], window[1][layer]
+            keys, values, bias = window[0][layer], window[1][layer], window[2]
             # GQA without repeating K/V: each (row, kv head) is one small matmul over its query
             # group. Plain baddbmm/bmm: SDPA's flash kernel is slower for one query position.
             q = q.reshape(n * kv_heads, heads // kv_heads, dim)
-            scores = torch.baddbmm(step.bias, q, keys.transpose(1, 2), alpha=self.scale)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scale)
             return torch.bmm(scores.softmax(-1), values).view(n, heads * dim)
         # Packed prefill: pad into [rows, width] only for attention.
         q = q[step.pad_index].transpose(1, 2)
@@ -338,7 +349,7 @@ class LeanRunner:
         """Feed one token per row; fp32 logits after it."""
         positions = self._lengths
         self.model.cache.reserve(len(tokens), max(positions) + 1)
-        step = Step.decoding(tokens, positions, self.model.num_kv_heads, self.model.cache.dtype)
+        step = Step.decoding(tokens, positions)
         logits = self.model(step)
         self._lengths = [n + 1 for n in positions]
         return logits
@@ -386,7 +397,6 @@ class Step:
     width: int = 0
     """Keys attended to (decode, and prefill after cached prefixes): the longest row."""
     mask: torch.Tensor
-    bias: torch.Tensor
     pad_index: torch.Tensor
     unpad_index: torch.Tensor
 
@@ -429,9 +439,7 @@ class Step:
         return step
 
     @classmethod
-    def decoding(
-        cls, tokens: list[int], positions: list[int], kv_heads: int, dtype: torch.dtype
-    ) -> Step:
+    def decoding(cls, tokens: list[int], positions: list[int]) -> Step:
         """One token per cache row [0, len(tokens)), at `positions`."""
         step = cls()
         step.decode = True
@@ -439,11 +447,6 @@ class Step:
         step.positions = torch.tensor(positions)
         step.write_rows = torch.arange(len(tokens))
         step.width = max(positions) + 1
-        beyond = torch.arange(step.width)[None, :] > step.positions[:, None]
-        # Additive mask per (row, kv head). Positions past a row's length hold finite stale
-        # values (zeros, or an earlier owner's; rows that went non-finite are zeroed).
-        bias = torch.zeros(beyond.shape, dtype=dtype).masked_fill_(beyond, float("-inf"))
-        step.bias = bias.repeat_interleave(kv_heads, dim=0)[:, None, :]
         return step
 
 
