@@ -285,12 +285,12 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor
                    std::optional<torch::Tensor> norm, double eps, bool glu) {
   // x [1, in] (with glu [1, 2 in]); w [out, in]; residual [1, out], added to in place;
   // norm [in]: x is RMS-normed and scaled by it first.
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "gemv: w must be a contiguous [out, in] of x's dtype");
   const int64_t n_out = w.size(0), n_in = w.size(1);
   check_input(x, n_in, norm, glu, "gemv");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.size(0) == 1, "gemv: x must be one row");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == dtype,
-              "gemv: w must be a contiguous [out, in] of x's dtype");
   torch::Tensor y = residual ? *residual : torch::empty({1, n_out}, x.options());
   TORCH_CHECK(y.scalar_type() == dtype && y.is_contiguous() && y.numel() == n_out,
               "gemv: residual must be a contiguous [1, out] of x's dtype");
