@@ -13,9 +13,10 @@ the trainer's `dtype: auto` asks `auto_dtype`, and MFU divides counted FLOPs by 
   by a reduction, `amax` (one compare an element: `sum`'s cascade summation reads ~15% slower
   on a 2-core Zen 4 EPYC, below what MKL's split GEMV reaches there, so it is no roof). A
   decode step at batch 1 only reads its weights, so the roofline's memory term uses the read
-  rate, measured on CPU over huge pages as the local engine keeps its weights (`huge_page_zeros`;
-  on a 2-core Zen 4 EPYC ~1.4x the rate over 4 KB pages); a copy moves each byte twice (read, then write), so memcpy's rate would understate the
-  roof (here by ~2x).
+  rate, measured on CPU over huge pages as the local engine keeps its weights
+  (`huge_page_zeros`; on a 2-core Zen 4 EPYC ~1.4x the rate over 4 KB pages); a copy moves
+  each byte twice (read, then write), so memcpy's rate would understate the roof (here by
+  ~2x).
 - `native_bf16` is what the hardware says (CUDA; AVX512-BF16 or AMX on x86), not a timing:
   on CPUs without it (AVX2-only laptops and VMs) bf16 matmuls are emulated and 6-15x slower
   than fp32. `auto_dtype` picks bf16 only where it is native AND measured faster.
@@ -402,14 +403,12 @@ KERNELS_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 @functools.cache
 def cpu_kernels() -> Any:
     """The local engine's kernels (`cpu_kernels.cpp`: `gemv`, `layer_input`,
-    `decode_attention`), compiled
-    for this CPU on first use (~25 s on 2 cores; torch caches the build under
-    TORCH_EXTENSIONS_DIR, `make setup` does it once), `gemv` checked against torch's linear;
-    None, with a warning saying why, where they cannot be built (no C++ compiler or OpenMP,
-    e.g. macOS's clang) or are wrong: callers then run torch's ops. `ATEN_CPU_CAPABILITY=avx2`
-    (or `default`) builds them without AVX-512 (and AVX2), as torch's kernels run then.
-    Measured on a 2-core Zen 4
-    EPYC: MKL's GEMV runs on one thread, and its batched GEMM split over the threads
+    `decode_attention`), compiled for this CPU on first use (~25 s on 2 cores; torch caches the
+    build under TORCH_EXTENSIONS_DIR, `make setup` does it once), `gemv` checked against
+    torch's linear; None, with a warning saying why, where they cannot be built (no C++
+    compiler or OpenMP, e.g. macOS's clang) or are wrong: callers then run torch's ops.
+    `ATEN_CPU_CAPABILITY=avx2` (or `default`) builds them without AVX-512 (and AVX2), as torch's
+    kernels run then. Measured on a 2-core Zen 4 EPYC: MKL's GEMV runs on one thread, and its batched GEMM split over the threads
     (`split_gemv`) reads the layers' weights at ~27 GB/s where the cores read the same weights
     at ~40 (a sum over them); `gemv` reads them at the sum's rate (1.5x `split_gemv` in fp32,
     ~2.5x torch's bf16 GEMV). `decode_attention` does a decode step's RoPE, cache write and

@@ -203,17 +203,16 @@ class LeanLlama(nn.Module):
         x first RMS-normed and scaled by `norm`, or (`glu`) x = gate | up -> silu(gate) * up.
         With the compiled kernels: one row in one `gemv` call, the norm or SwiGLU included;
         more rows through their `layer_input` (one call where torch's ops take several)."""
-        if self.kernels is not None:
-            if len(x) == 1 and not weight.is_mkldnn:
-                return self.kernels.gemv(x, weight, residual, norm, self.eps, glu)
-            if norm is not None or glu:
-                x = self.kernels.layer_input(x, norm, self.eps, glu)
-            return _matmul(x, weight, residual)
-        if glu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate).mul_(up)
-        if norm is not None:
-            x = self._norm(x, norm)
+        if self.kernels is not None and len(x) == 1 and not weight.is_mkldnn:
+            return self.kernels.gemv(x, weight, residual, norm, self.eps, glu)
+        if self.kernels is not None and (norm is not None or glu):
+            x = self.kernels.layer_input(x, norm, self.eps, glu)
+        else:
+            if glu:
+                gate, up = x.chunk(2, dim=-1)
+                x = F.silu(gate).mul_(up)
+            if norm is not None:
+                x = self._norm(x, norm)
         return _matmul(x, weight, residual)
 
     def _fused_decode(self, step: Step) -> bool:
@@ -468,7 +467,7 @@ class SlotCache:
         self.max_rows, self.max_positions = max_rows, max_positions
         self.dtype = dtype
         self._heads = torch.arange(kv_heads)[None, :]
-        self._use(huge_page_zeros(self.shape, dtype))
+        self.reset()
 
     def _use(self, kv: torch.Tensor) -> None:
         self.kv = kv
